@@ -1,0 +1,31 @@
+# make test       set up .venv on a fresh machine (CPU torch first) and run the test suite
+# make rollout    run the small CPU rollout recipe with SmolLM2-135M-Instruct
+# make bench      run the benchmarks in bench/
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test rollout bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch must come first, or pip resolves a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m agentrl.models smollm2-135m-instruct
+	$(PY) -m pytest -q -rs tests
+
+rollout: setup
+	$(VENV)/bin/agentrl rollout recipes/rollout_cpu.yaml
+
+bench: setup
+	$(PY) bench/rollout_efficiency.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Advantage estimators, policy losses and KL estimators: pure tensor functions."""

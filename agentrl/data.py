@@ -1,0 +1,78 @@
+"""Tasks for rollouts: rows from `datasets` (jsonl, parquet, a hub id) or generated arithmetic.
+
+The generator needs no files: word problems whose numbers are too large to multiply in the head,
+with GSM8K-style answers ('#### <number>'), so the same rewards and tools apply to both sources.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from agentrl.errors import ConfigError
+from agentrl.types import Task
+
+_TEMPLATES = [
+    ("A warehouse has {a} shelves and each shelf holds {b} boxes. How many boxes are there in total?",
+     lambda a, b, c: a * b),
+    ("A factory makes {a} bolts per hour for {b} hours, then ships {c} of them. How many bolts are left?",
+     lambda a, b, c: a * b - c),
+    ("Tickets cost {a} dollars each. A school buys {b} tickets and gets a discount of {c} dollars. "
+     "How many dollars does the school pay?", lambda a, b, c: a * b - c),
+    ("A farm has {a} rows of {b} apple trees and plants {c} more trees. How many trees are there now?",
+     lambda a, b, c: a * b + c),
+]
+
+
+def arithmetic_tasks(n: int, seed: int = 0, min_digits: int = 3, max_digits: int = 4) -> list[Task]:
+    """`n` multiplication word problems with operands of `min_digits`..`max_digits` digits."""
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(n):
+        template, solve = _TEMPLATES[rng.randrange(len(_TEMPLATES))]
+        a, b = (_number(rng, rng.randint(min_digits, max_digits)) for _ in range(2))
+        c = rng.randint(1, a * b // 2)
+        tasks.append(Task(id=f"arith-{seed}-{i}", prompt=template.format(a=a, b=b, c=c),
+                          answer=f"#### {solve(a, b, c)}"))
+    return tasks
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+
+
+def dataset_tasks(source: str, files: list[str], split: str, prompt_key: str, answer_key: str | None,
+                  id_key: str | None = None, limit: int | None = None) -> list[Task]:
+    """Rows of a jsonl/json/parquet/csv file set, or of a hub dataset id, as Tasks."""
+    import datasets
+
+    if source == "files":
+        if not files:
+            raise ConfigError("data.files: source 'files' needs at least one file")
+        for f in files:
+            if not Path(f).is_file():
+                raise ConfigError(f"data.files: '{f}' not found")
+        suffix = Path(files[0]).suffix.lstrip(".")
+        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(suffix)
+        if builder is None:
+            raise ConfigError(f"data.files: '{files[0]}' is not .jsonl, .json, .parquet or .csv")
+        ds = datasets.load_dataset(builder, data_files=files, split="train")
+    else:
+        try:
+            ds = datasets.load_dataset(source, split=split)
+        except Exception as e:
+            raise ConfigError(f"data.source: cannot load dataset '{source}' ({str(e).splitlines()[0]})") from None
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    for key in (prompt_key, answer_key, id_key):
+        if key is not None and key not in ds.column_names:
+            raise ConfigError(f"data: column '{key}' not in {ds.column_names}")
+    return [_row_task(row, i, prompt_key, answer_key, id_key) for i, row in enumerate(ds)]
+
+
+def _row_task(row: dict[str, Any], index: int, prompt_key: str, answer_key: str | None, id_key: str | None) -> Task:
+    answer = row[answer_key] if answer_key else None
+    return Task(id=str(row[id_key]) if id_key else f"row-{index}", prompt=row[prompt_key],
+                answer=None if answer is None else str(answer),
+                tool_kwargs=row.get("tool_kwargs") or {}, metadata={"row": index})

@@ -1,0 +1,1 @@
+"""Environments: interactions (simulated users, judges), ToolEnv, and outcome rewards."""

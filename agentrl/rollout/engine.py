@@ -1,0 +1,33 @@
+"""The engine protocol: token ids in, token ids + logprobs + finish reason out.
+
+The transformers engine (hf_engine.py) implements it on CPU or GPU; an SGLang engine implements the
+same calls on GPU. The rollout loop only ever sees this protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+from agentrl.types import Completion, SamplingParams
+
+
+@runtime_checkable
+class Engine(Protocol):
+    weight_version: int
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
+        """Sample a continuation of `token_ids`; many calls may be in flight at once."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       flush_cache: bool = True) -> None:
+        """Load new weights in place; completions after it carry `version`."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free accelerator memory while training runs (no-op where meaningless)."""
+        ...
+
+    def resume_memory(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Tools that ship with agentrl, registered as `agentrl.tools` entry points."""

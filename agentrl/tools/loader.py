@@ -1,0 +1,171 @@
+"""Tool files (`tool_configs/*.yaml`) → live Tool objects, validated before any work starts.
+
+A `class:` reference is `module:attr` (a Tool class, a `@tool` function or a plain function) or
+the name of an entry point in the `agentrl.tools` group, which is how installed packages register
+tools and how the builtin ones are found. Every problem is a ConfigError naming the file, the tool
+and the key.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from agentrl.errors import ConfigError
+from agentrl.tools.base import FunctionTool, Tool, function_schema
+
+ENTRY_POINT_GROUP = "agentrl.tools"
+ENTRY_KEYS = {"class", "config", "schema"}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def registered_tools() -> dict[str, str]:
+    """Entry-point name → 'module:attr' for every tool installed packages register."""
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def resolve_reference(ref: str, group: str = ENTRY_POINT_GROUP) -> Any:
+    """Import `module:attr`, or look `ref` up as an entry point name. Raises ValueError."""
+    if ":" not in ref:
+        matches = [ep for ep in entry_points(group=group) if ep.name == ref]
+        if not matches:
+            raise ValueError(f"'{ref}' is neither 'module:attr' nor a registered {group} entry point")
+        return matches[0].load()
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an import error inside the plug-in is as fatal as a missing module
+        raise ValueError(f"cannot import module '{module_name}' ({type(e).__name__}: {e})") from None
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise ValueError(f"module '{module_name}' has no attribute '{attr}'") from None
+    return obj
+
+
+def read_yaml_list(path: str | Path, key: str) -> list[Any]:
+    """The list under `key` in a YAML file, or a ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict) or set(data) != {key} or not isinstance(data[key], list):
+        raise ConfigError(f"{path}: expected a mapping with exactly one key '{key}' holding a list")
+    return data[key]
+
+
+def check_schema(schema: Any) -> str | None:
+    """Why `schema` is not a valid OpenAI function schema, or None if it is."""
+    if not isinstance(schema, dict) or schema.get("type") != "function":
+        return "schema must be a mapping with type: function"
+    fn = schema.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        return "schema.function.name is missing"
+    if not _NAME_RE.match(fn["name"]):
+        return f"schema.function.name '{fn['name']}' must match {_NAME_RE.pattern}"
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or params.get("type") != "object":
+        return "schema.function.parameters must be a JSON Schema with type: object"
+    try:
+        jsonschema.validators.validator_for(params).check_schema(params)
+    except jsonschema.SchemaError as e:
+        return f"schema.function.parameters is not valid JSON Schema ({e.message})"
+    return None
+
+
+def build_tool(entry: Any) -> Tool:
+    """One YAML entry → a Tool. Raises ValueError with the problem (no file name)."""
+    if not isinstance(entry, dict):
+        raise ValueError("each tool must be a mapping with a 'class' key")
+    unknown = sorted(set(entry) - ENTRY_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key '{unknown[0]}' (allowed: {', '.join(sorted(ENTRY_KEYS))})")
+    if not isinstance(entry.get("class"), str):
+        raise ValueError("missing key 'class' ('module:attr' or a registered tool name)")
+    config = entry.get("config") or {}
+    if not isinstance(config, dict):
+        raise ValueError("key 'config' must be a mapping")
+    obj = resolve_reference(entry["class"])
+    if inspect.isclass(obj):
+        try:
+            instance = obj(**config)
+        except Exception as e:
+            raise ValueError(f"constructing {entry['class']} with config {config} failed: {e}") from None
+    elif isinstance(obj, FunctionTool) or callable(obj):
+        if config:
+            raise ValueError("key 'config' is only for tool classes, not functions")
+        instance = obj if isinstance(obj, FunctionTool) else _function_tool(obj, entry.get("schema"))
+    else:
+        raise ValueError(f"'{entry['class']}' is not a tool class or function")
+    if "schema" in entry:
+        instance.schema = entry["schema"]
+    if getattr(instance, "schema", None) is None:
+        raise ValueError("no schema: the class defines none, so the entry needs a 'schema' key")
+    problem = check_schema(instance.schema)
+    if problem:
+        raise ValueError(problem)
+    missing = [m for m in ("create", "execute", "reward", "release") if not hasattr(instance, m)]
+    if missing:
+        raise ValueError(f"'{entry['class']}' lacks the tool method(s) {', '.join(missing)}")
+    return instance
+
+
+def _function_tool(fn: Any, schema: Any) -> FunctionTool:
+    if schema is not None:
+        return FunctionTool(fn, schema=schema)
+    try:
+        return FunctionTool(fn)
+    except Exception as e:
+        raise ValueError(f"no schema: cannot derive one from the function ({e})") from None
+
+
+def load_tools(path: str | Path) -> list[Tool]:
+    """Every tool in one YAML file, with names checked for uniqueness."""
+    tools: list[Tool] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(read_yaml_list(path, "tools"), start=1):
+        label = _entry_label(entry, i)
+        try:
+            t = build_tool(entry)
+        except ValueError as e:
+            raise ConfigError(f"{path}: {label}: {e}") from None
+        name = t.schema["function"]["name"]
+        if name in seen:
+            raise ConfigError(f"{path}: tool '{name}' (#{i}): duplicate name, tool #{seen[name]} has it too")
+        seen[name] = i
+        tools.append(t)
+    return tools
+
+
+def load_tool_files(paths: list[str | Path]) -> list[Tool]:
+    tools: list[Tool] = []
+    for path in paths:
+        for t in load_tools(path):
+            name = t.schema["function"]["name"]
+            if any(o.schema["function"]["name"] == name for o in tools):
+                raise ConfigError(f"{path}: tool '{name}': duplicate name, an earlier tool file has it")
+            tools.append(t)
+    return tools
+
+
+def _entry_label(entry: Any, index: int) -> str:
+    if isinstance(entry, dict):
+        schema_name = (entry.get("schema") or {}).get("function", {}).get("name") if isinstance(
+            entry.get("schema"), dict) else None
+        if schema_name:
+            return f"tool '{schema_name}' (#{index})"
+        if isinstance(entry.get("class"), str):
+            return f"tool #{index} (class '{entry['class']}')"
+    return f"tool #{index}"
