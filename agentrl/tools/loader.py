@@ -106,10 +106,11 @@ def build_tool(entry: Any) -> Tool:
     elif isinstance(obj, FunctionTool) or callable(obj):
         if config:
             raise ValueError("key 'config' is only for tool classes, not functions")
-        instance = obj if isinstance(obj, FunctionTool) else _function_tool(obj, entry.get("schema"))
+        # A fresh wrapper, so a schema given here never changes the shared module-level tool.
+        instance = _function_tool(obj.fn if isinstance(obj, FunctionTool) else obj, entry.get("schema"))
     else:
         raise ValueError(f"'{entry['class']}' is not a tool class or function")
-    if "schema" in entry:
+    if "schema" in entry and not isinstance(instance, FunctionTool):
         instance.schema = entry["schema"]
     if getattr(instance, "schema", None) is None:
         raise ValueError("no schema: the class defines none, so the entry needs a 'schema' key")

@@ -1,0 +1,74 @@
+"""Shared fixtures: the real SmolLM2 tokenizer with the Hermes template, and a tiny random Llama.
+
+The tiny model has SmolLM2's vocabulary so every token id in a test is a real one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agentrl.models import load_tokenizer, provision_builtin
+from agentrl.types import Completion, SamplingParams
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer("smollm2-135m-instruct", chat_template="hermes")
+
+
+def make_tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def tiny_model():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A saved tiny model with the SmolLM2 tokenizer and the Hermes template, as a user would have."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_llama().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    return provision_builtin("smollm2-135m-instruct")
+
+
+class ScriptedEngine:
+    """Replays fixed assistant turns through the Engine protocol.
+
+    It stands in for the policy only where a test needs a specific tool call or answer that a small
+    model would not sample; everything around it (tokenizer, template, tools, loop) is real.
+    Logprobs are -0.01 * (position + 1) so a test can check their alignment exactly.
+    """
+
+    def __init__(self, tokenizer, turns: list[str], stop: bool = True):
+        self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([2] if stop else []) for t in turns]
+        self.prompts: list[list[int]] = []
+        self.weight_version = 0
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
+        self.prompts.append(list(token_ids))
+        ids = self.turns[len(self.prompts) - 1][: sampling.max_new_tokens]
+        finish = "stop" if ids and ids[-1] in sampling.stop_token_ids else "length"
+        return Completion(ids, [-0.01 * (i + 1) for i in range(len(ids))], finish, self.weight_version)
+
+    def update_weights(self, named_tensors, version, flush_cache=True):
+        self.weight_version = version
+
+    def release_memory(self):
+        return None
+
+    def resume_memory(self):
+        return None

@@ -1,0 +1,62 @@
+"""The calculator's AST whitelist and the Hermes call parser on golden strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.tools.builtin.calculator import calculator, evaluate
+from agentrl.tools.parsers import parse_hermes
+
+
+@pytest.mark.parametrize("expr,value", [("1234 * 5678", 7006652), ("(2 + 3) * 4 - 6 / 4", 18.5), ("-2 ** 3", -8),
+                                        ("7 // 2 + 7 % 2", 4), ("1,234 × 2", 2468), ("2^10", 1024)])
+def test_evaluate(expr, value):
+    assert evaluate(expr) == value
+
+
+@pytest.mark.parametrize("expr,message", [
+    ("__import__('os').system('true')", "is not allowed"), ("x + 1", "'x' is not allowed"),
+    ("2 ** 1000", "exponent 1000 is larger than 64"), ("1 / 0", "division by zero"),
+    ("1 +", "cannot parse"), ("9" * 600, "longer than 500"), ("(10 ** 60) * (10 ** 60)", "out of range"),
+])
+def test_evaluate_refuses(expr, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
+        evaluate(expr)
+
+
+def test_calculator_tool_formats_and_reports_errors():
+    assert calculator("10 / 4") == "2.5" and calculator("10 / 2") == "5"
+    assert calculator("open('f')") == "Error: 'open('f')' is not allowed; use numbers, + - * / // % ** and ()"
+    assert calculator.schema["function"]["parameters"]["required"] == ["expression"]
+    assert "return" not in calculator.schema["function"]
+
+
+def test_two_calls_with_text_around():
+    text = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>\n'
+            'and\n<tool_call>{"name": "check_answer", "arguments": "{\\"answer\\": \\"6\\"}"}</tool_call> done')
+    turn = parse_hermes(text)
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "2*3"}),
+                                                            ("check_answer", {"answer": "6"})]
+    assert turn.errors == []
+
+
+@pytest.mark.parametrize("body,error", [
+    ('{"name": "calculator", "arguments": {"expression": "1"}', "not valid JSON (Expecting ',' delimiter"),
+    ('["calculator"]', "must be a JSON object with 'name' and 'arguments'"),
+    ('{"arguments": {}}', "has no 'name'"),
+    ('{"name": "calculator", "arguments": [1]}', "arguments of 'calculator' must be a JSON object"),
+    ('{"name": "calculator", "arguments": "nope"}', "a string that is not a JSON object"),
+])
+def test_malformed_calls_become_errors(body, error):
+    turn = parse_hermes(f"ok <tool_call>{body}</tool_call>")
+    assert turn.calls == [] and len(turn.errors) == 1 and error in turn.errors[0]
+
+
+def test_missing_arguments_default_to_empty_and_unclosed_tag_is_an_error():
+    turn = parse_hermes('<tool_call>{"name": "now"}</tool_call> then <tool_call>{"name": "x"')
+    assert [(c.name, c.arguments) for c in turn.calls] == [("now", {})]
+    assert turn.errors == ["a <tool_call> was opened but never closed with </tool_call>"]
+
+
+def test_plain_text_has_no_calls():
+    assert parse_hermes("The answer is 4.").calls == [] and parse_hermes("The answer is 4.").errors == []

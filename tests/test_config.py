@@ -1,0 +1,52 @@
+"""Recipe loading: strict keys, dotted overrides, one-line errors before any model loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentrl.config import load_recipe
+from agentrl.errors import ConfigError
+
+
+def test_recipe_and_overrides():
+    config = load_recipe("recipes/rollout_cpu.yaml", ["rollout.group_size=8", "rollout.temperature=0.5",
+                                                      "data.files=[a.jsonl, b.jsonl]", "model.chat_template=hermes"])
+    assert config.rollout.group_size == 8 and config.rollout.temperature == 0.5
+    assert config.data.files == ["a.jsonl", "b.jsonl"] and config.model.chat_template == "hermes"
+    assert config.rollout.tool_configs == ["tool_configs/calculator.yaml"]
+    assert config.output_dir == "runs/rollout_cpu"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.bogus_key=1", "unknown key 'rollout.bogus_key'"),
+    ("trainer.bogus_key=1", "unknown key 'trainer'"),
+    ("rollout.group_size=zero", "rollout.group_size: Input should be a valid integer"),
+    ("rollout.top_p=1.5", "rollout.top_p: Input should be less than or equal to 1"),
+    ("rollout.group_size", "override 'rollout.group_size': expected key=value"),
+    ("model.path.x=1", "'model.path' is not a section"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/rollout_cpu.yaml", [override])
+    assert message in str(err.value)
+
+
+def test_cli_rejects_bad_key_before_loading_anything(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml",
+                           "rollout.max_turn=3", "model.path=/nonexistent"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "agentrl: error: recipes/rollout_cpu.yaml: unknown key 'rollout.max_turn'"
+
+
+def test_cli_rejects_bad_tool_file_before_loading_the_model(tmp_path):
+    bad = tmp_path / "t.yaml"
+    bad.write_text("tools:\n  - class: calculator\n    schema: 3\n")
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml",
+                           f"rollout.tool_configs=[{bad}]", "model.path=/nonexistent"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"agentrl: error: {bad}: tool #1 (class 'calculator'): schema must be a mapping with type: function")

@@ -1,0 +1,97 @@
+"""The transformers engine: exactness against model.generate, logprobs, batching, weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from agentrl.rollout.hf_engine import HFEngine, sample_tokens
+from agentrl.types import SamplingParams
+from tests.conftest import make_tiny_llama
+
+PROMPTS = [[1, 504, 3459, 30, 2], [1, 9690, 28, 30, 253, 1789, 3, 28], [1, 33]]
+
+
+def greedy(n: int, stop: tuple[int, ...] = ()) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=stop)
+
+
+def test_greedy_batch_matches_generate_row_by_row(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    completions = engine.generate_batch(PROMPTS, [greedy(12)] * 3)
+    for prompt, completion in zip(PROMPTS, completions):
+        reference = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                        eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
+        assert completion.token_ids == reference and completion.finish == "length"
+
+
+def test_logprobs_equal_a_full_forward_pass(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2, seed=3)
+    completions = engine.generate_batch(PROMPTS, [SamplingParams(max_new_tokens=10, temperature=0.7)] * 3)
+    for prompt, completion in zip(PROMPTS, completions):
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logits = tiny_model(ids).logits[0, len(prompt) - 1:-1].float() / 0.7
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_stop_tokens_and_per_request_budgets(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    free = engine.generate_batch([PROMPTS[0]], [greedy(8)])[0].token_ids
+    stop = free[3]
+    first_stop = free.index(stop)
+    out = engine.generate_batch([PROMPTS[0], PROMPTS[0]], [greedy(8, (stop,)), greedy(2, (stop,))])
+    assert out[0].token_ids == free[: first_stop + 1] and out[0].finish == "stop"
+    assert out[1].token_ids == free[: min(2, first_stop + 1)]
+
+
+def test_concurrent_calls_are_batched(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+
+    async def many():
+        return await asyncio.gather(*(engine.generate(p, greedy(6)) for p in PROMPTS * 4))
+
+    results = asyncio.run(many())
+    assert engine.stats["requests"] == 12 and engine.stats["batches"] == 1
+    solo = HFEngine(tiny_model, pad_token_id=2).generate_batch([PROMPTS[1]], [greedy(6)])[0]
+    assert results[1].token_ids == solo.token_ids  # padding in a batch does not change the result
+
+
+def test_different_sampling_settings_go_to_different_batches(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+
+    async def mixed():
+        return await asyncio.gather(engine.generate(PROMPTS[0], greedy(3)),
+                                    engine.generate(PROMPTS[1], SamplingParams(3, temperature=1.0)))
+
+    asyncio.run(mixed())
+    assert engine.stats["batches"] == 2
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny_model):
+    a = HFEngine(tiny_model, pad_token_id=2, seed=7).generate_batch(PROMPTS, [SamplingParams(8)] * 3)
+    b = HFEngine(tiny_model, pad_token_id=2, seed=7).generate_batch(PROMPTS, [SamplingParams(8)] * 3)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 2.5]])
+    ids, logp = sample_tokens(logits, temperature=1.0, top_p=1e-6, generator=torch.Generator().manual_seed(0))
+    assert ids.tolist() == [1, 2]
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[[0, 1], [1, 2]])
+
+
+def test_update_weights_in_place_changes_outputs_and_version(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    before = engine.generate_batch(PROMPTS, [greedy(6)] * 3)
+    other = make_tiny_llama(seed=1)
+    engine.update_weights(other.state_dict().items(), version=5)
+    after = engine.generate_batch(PROMPTS, [greedy(6)] * 3)
+    reference = HFEngine(other, pad_token_id=2).generate_batch(PROMPTS, [greedy(6)] * 3)
+    assert [c.token_ids for c in after] == [c.token_ids for c in reference]
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    assert after[0].weight_version == 5 and before[0].weight_version == 0
+    with pytest.raises(KeyError, match="no tensor 'lm_head.bias'"):
+        engine.update_weights([("lm_head.bias", torch.zeros(3))], version=6)
+    with pytest.raises(ValueError, match="'model.norm.weight' has shape \\(3,\\), expected \\(64,\\)"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))], version=6)

@@ -1,0 +1,79 @@
+"""The GSM8K interaction, the answer-checking tool, and how rewards are summed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agentrl.env.gsm8k import GSM8KInteraction
+from agentrl.env.interaction import load_interaction
+from agentrl.env.rewards import gsm8k_reward
+from agentrl.errors import ConfigError
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.tools.builtin.gsm8k import CheckAnswer, parse_number
+from agentrl.tools.parsers import parse_hermes
+from agentrl.types import Task
+from tests.conftest import ScriptedEngine
+
+TASK = Task(id="q", prompt="Natalia sold 48 clips in April and half as many in May. How many in total?",
+            answer="Natalia sold 48/2 = 24 clips in May.\n#### 72")
+
+
+def test_interaction_retry_then_correct(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["The total is 70.", "Sorry, the total is 72."])
+    runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(interaction_scores=True),
+                           interaction_factory=lambda: GSM8KInteraction(max_attempts=2), reward_fn=gsm8k_reward)
+    traj = asyncio.run(runner.run(TASK, group_id="g"))
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "user", "assistant"]
+    assert traj.messages[2]["content"] == "Your answer is incorrect. Please check your work and try again."
+    assert traj.reward == 2.0  # outcome 1 + interaction score 1
+    assert traj.metrics["interaction_score"] == 1.0 and traj.finish == "stop"
+    rendered = tokenizer.apply_chat_template(traj.messages, tokenize=False)
+    assert tokenizer.decode(traj.token_ids) + "\n" == rendered
+    user_ids = tokenizer("\n<|im_start|>user\n" + traj.messages[2]["content"] + "<|im_end|>\n<|im_start|>assistant\n",
+                         add_special_tokens=False)["input_ids"]
+    start = len(engine.prompts[1]) - len(user_ids)
+    assert traj.token_ids[start:start + len(user_ids)] == user_ids
+    assert traj.loss_mask[start:start + len(user_ids)] == [0] * len(user_ids)
+
+
+def test_interaction_gives_up_after_max_attempts(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["It is 1.", "It is 2."])
+    runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(),
+                           interaction_factory=lambda: GSM8KInteraction(max_attempts=2), reward_fn=gsm8k_reward)
+    traj = asyncio.run(runner.run(TASK, group_id="g"))
+    assert traj.reward == 0.0 and traj.metrics["turns"] == 2 and traj.messages[-1]["role"] == "assistant"
+
+
+def test_check_answer_step_and_final_rewards(tokenizer):
+    call = '<tool_call>\n{"name": "check_answer", "arguments": {"answer": "%s"}}\n</tool_call>'
+    engine = ScriptedEngine(tokenizer, [call % "70", call % "72", call % "72", "Done: 72"])
+    runner = EpisodeRunner(engine, tokenizer, [CheckAnswer()], parse_hermes,
+                           EpisodeSettings(tool_step_rewards=True, tool_final_rewards=True), reward_fn=None)
+    traj = asyncio.run(runner.run(TASK, group_id="g"))
+    replies = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert replies == ["Incorrect. Check your work and try again.", "Correct.", "Correct."]
+    assert traj.metrics["tool_step_reward"] == 1.0  # only the first correct submission pays
+    assert traj.reward == 2.0 and traj.metrics["answer_correct"] == 2.0
+
+
+@pytest.mark.parametrize("text,value", [("The answer is 1,234.5.", 1234.5), ("$-7", -7.0), ("none", None),
+                                        ("12 apples and 30 pears", 30.0)])
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+def test_gsm8k_reward_uses_last_number_of_final_message():
+    assert gsm8k_reward(TASK, [{"role": "assistant", "content": "48 + 24 = 72"}]) == 1.0
+    assert gsm8k_reward(TASK, [{"role": "assistant", "content": "72 is wrong, it is 73"}]) == 0.0
+    assert gsm8k_reward(Task(id="x", prompt="p"), [{"role": "assistant", "content": "1"}]) == 0.0
+
+
+def test_interaction_yaml(tmp_path):
+    factory = load_interaction("tool_configs/gsm8k_interaction.yaml")
+    assert factory().max_attempts == 2 and factory() is not factory()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("interactions:\n  - class: agentrl.env.gsm8k:GSM8KInteraction\n    config: {max_attempts: 0}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: interaction 'agentrl.env.gsm8k:GSM8KInteraction': config"):
+        load_interaction(bad)

@@ -1,0 +1,107 @@
+"""Tool YAML files: loading, entry points, and one-line errors through the real CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from agentrl.errors import ConfigError
+from agentrl.tools.base import FunctionTool
+from agentrl.tools.builtin.gsm8k import CheckAnswer
+from agentrl.tools.loader import load_tool_files, load_tools
+
+
+class Schemaless:
+    """A tool class that forgot its schema (referenced from YAML in the tests below)."""
+
+    async def create(self, instance_id, **kwargs): return instance_id
+    async def execute(self, instance_id, arguments): return "ok"
+    async def reward(self, instance_id): return None
+    async def release(self, instance_id): return None
+
+
+def write(tmp_path, body: str, name: str = "tools.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_repository_tool_files_load():
+    calc, check = load_tools("tool_configs/gsm8k.yaml")
+    assert isinstance(calc, FunctionTool) and calc.schema["function"]["name"] == "calculator"
+    assert isinstance(check, CheckAnswer) and check.tolerance == 1e-6
+
+
+def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
+    path = write(tmp_path, """
+        tools:
+          - class: tests.test_tool_loader:Schemaless
+            schema:
+              type: function
+              function: {name: ping, description: Ping., parameters: {type: object, properties: {}}}
+          - class: check_answer
+            config: {tolerance: 0.5}
+        """)
+    ping, check = load_tools(path)
+    assert ping.schema["function"]["name"] == "ping" and check.tolerance == 0.5
+
+
+@pytest.mark.parametrize("body,message", [
+    ("tools:\n  - class: agentrl.tools.builtin.nope:calculator\n",
+     "tool #1 (class 'agentrl.tools.builtin.nope:calculator'): cannot import module 'agentrl.tools.builtin.nope'"),
+    ("tools:\n  - class: agentrl.tools.builtin.calculator:nope\n",
+     "tool #1 (class 'agentrl.tools.builtin.calculator:nope'): module 'agentrl.tools.builtin.calculator' has no attribute 'nope'"),
+    ("tools:\n  - class: tests.test_tool_loader:Schemaless\n",
+     "tool #1 (class 'tests.test_tool_loader:Schemaless'): no schema: the class defines none, so the entry needs a 'schema' key"),
+    ("tools:\n  - class: calculator\n  - class: agentrl.tools.builtin.calculator:calculator\n",
+     "tool 'calculator' (#2): duplicate name, tool #1 has it too"),
+    ("tools:\n  - class: calculator\n    confg: {}\n",
+     "tool #1 (class 'calculator'): unknown key 'confg' (allowed: class, config, schema)"),
+    ("tools:\n  - class: check_answer\n    config: {tolerence: 1}\n",
+     "tool #1 (class 'check_answer'): constructing check_answer with config {'tolerence': 1} failed"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, parameters: {type: object, "
+     "properties: {x: {type: banana}}}}}\n", "tool 'c' (#1): schema.function.parameters is not valid JSON Schema"),
+    ("tools:\n  - class: not_registered\n", "'not_registered' is neither 'module:attr' nor a registered"),
+    ("tool:\n  - class: calculator\n", "expected a mapping with exactly one key 'tools' holding a list"),
+    ("tools: [\n", "not valid YAML"),
+])
+def test_bad_tool_files(tmp_path, body, message):
+    path = write(tmp_path, body)
+    with pytest.raises(ConfigError) as err:
+        load_tools(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+def test_duplicate_across_files(tmp_path):
+    a = write(tmp_path, "tools:\n  - class: calculator\n", "a.yaml")
+    b = write(tmp_path, "tools:\n  - class: calculator\n", "b.yaml")
+    with pytest.raises(ConfigError, match="b.yaml: tool 'calculator': duplicate name"):
+        load_tool_files([a, b])
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_check_prints_schema():
+    done = cli("tools", "check", "tool_configs/calculator.yaml")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("tool_configs/calculator.yaml: calculator (FunctionTool)\n{")
+    assert '"required": [\n        "expression"\n      ]' in done.stdout
+
+
+@pytest.mark.parametrize("body,problem", [
+    ("tools:\n  - class: agentrl.tools.nowhere:Calc\n", "tool #1 (class 'agentrl.tools.nowhere:Calc'): cannot import"),
+    ("tools:\n  - class: tests.test_tool_loader:Schemaless\n", "): no schema"),
+    ("tools:\n  - class: calculator\n  - class: calculator\n", "tool 'calculator' (#2): duplicate name"),
+])
+def test_cli_check_fails_with_one_line(tmp_path, body, problem):
+    path = write(tmp_path, body)
+    done = cli("tools", "check", str(path))
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"agentrl: error: {path}: ") and problem in lines[0]
+    assert "Traceback" not in done.stderr
