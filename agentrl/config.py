@@ -144,3 +144,25 @@ def describe_error(e: ValidationError) -> str:
 
 def to_yaml(config: RecipeConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """The recipe reference table (README), generated from the schema so it cannot drift."""
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            rows.append(f"| `{prefix}{name}` | `{shown}` | {field.description} |")
+
+    walk(RecipeConfig, "")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m agentrl.config: print the recipe reference
+    print(reference_markdown())

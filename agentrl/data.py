@@ -11,17 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ConfigError
+from agentrl.tools.builtin.calculator import evaluate
 from agentrl.types import Task
 
-_TEMPLATES = [
+_TEMPLATES = [  # (problem, expression that solves it)
     ("A warehouse has {a} shelves and each shelf holds {b} boxes. How many boxes are there in total?",
-     lambda a, b, c: a * b),
+     "{a} * {b}"),
     ("A factory makes {a} bolts per hour for {b} hours, then ships {c} of them. How many bolts are left?",
-     lambda a, b, c: a * b - c),
+     "{a} * {b} - {c}"),
     ("Tickets cost {a} dollars each. A school buys {b} tickets and gets a discount of {c} dollars. "
-     "How many dollars does the school pay?", lambda a, b, c: a * b - c),
+     "How many dollars does the school pay?", "{a} * {b} - {c}"),
     ("A farm has {a} rows of {b} apple trees and plants {c} more trees. How many trees are there now?",
-     lambda a, b, c: a * b + c),
+     "{a} * {b} + {c}"),
 ]
 
 
@@ -30,11 +31,12 @@ def arithmetic_tasks(n: int, seed: int = 0, min_digits: int = 3, max_digits: int
     rng = random.Random(seed)
     tasks = []
     for i in range(n):
-        template, solve = _TEMPLATES[rng.randrange(len(_TEMPLATES))]
+        template, expression = _TEMPLATES[rng.randrange(len(_TEMPLATES))]
         a, b = (_number(rng, rng.randint(min_digits, max_digits)) for _ in range(2))
         c = rng.randint(1, a * b // 2)
+        expression = expression.format(a=a, b=b, c=c)
         tasks.append(Task(id=f"arith-{seed}-{i}", prompt=template.format(a=a, b=b, c=c),
-                          answer=f"#### {solve(a, b, c)}"))
+                          answer=f"#### {evaluate(expression)}", metadata={"expression": expression}))
     return tasks
 
 

@@ -50,3 +50,13 @@ def test_cli_rejects_bad_tool_file_before_loading_the_model(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         f"agentrl: error: {bad}: tool #1 (class 'calculator'): schema must be a mapping with type: function")
+
+
+def test_readme_recipe_reference_matches_schema():
+    from pathlib import Path
+
+    from agentrl.config import reference_markdown
+
+    readme = Path("README.md").read_text()
+    block = readme.split("<!-- recipe-reference:start -->\n")[1].split("\n<!-- recipe-reference:end -->")[0]
+    assert block == reference_markdown(), "README recipe reference is stale: run python -m agentrl.config"

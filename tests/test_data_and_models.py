@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -43,10 +46,16 @@ def test_builtin_model_has_a_tool_aware_template(smollm2_dir):
     assert (smollm2_dir / "model.safetensors").stat().st_size > 500_000_000
 
 
-def test_unknown_model_fails_clearly(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match="model 'nobody/no-such-model': not a local model directory, not a builtin"):
-        load_tokenizer("nobody/no-such-model")
+def test_unknown_model_fails_clearly():
+    # huggingface_hub reads HF_HUB_OFFLINE when imported, so the check runs in a fresh process;
+    # online, the same path reaches the hub and fails (or loads) there.
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml",
+                           "model.path=nobody/no-such-model"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("agentrl: error: model 'nobody/no-such-model': not a local model directory, "
+                           "not a builtin (smollm2-135m-instruct), and loading it as a hub id failed (")
 
 
 def test_template_that_ignores_tools_is_replaced(tmp_path, tokenizer, capsys):

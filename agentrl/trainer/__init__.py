@@ -1,0 +1,1 @@
+"""Training: supervised warm-up on conversations (sft.py)."""

@@ -1,0 +1,41 @@
+"""SFT samples use the rollout token layout: only assistant tokens carry loss; one step learns."""
+
+from __future__ import annotations
+
+import torch
+
+from agentrl.rollout.episode import ChatRenderer
+from agentrl.tools.builtin.calculator import calculator
+from agentrl.trainer.sft import conversation_sample, pad_batch, sequence_logprobs, sft_train
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12 * 34?"},
+            {"role": "assistant", "content": CALL}, {"role": "tool", "name": "calculator", "content": "408"},
+            {"role": "assistant", "content": "It is 408."}]
+
+
+def test_only_assistant_tokens_carry_loss(tokenizer):
+    sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES, tokenizer.eos_token_id)
+    rendered = tokenizer.apply_chat_template(MESSAGES, tools=[calculator.schema], tokenize=False)
+    assert tokenizer.decode(sample.token_ids) + "\n" == rendered
+    trained = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
+    expected = (tokenizer(CALL, add_special_tokens=False)["input_ids"] + [2]
+                + tokenizer("It is 408.", add_special_tokens=False)["input_ids"] + [2])
+    assert trained == expected
+    # The tool result, the '\n' after each <|im_end|> and every role header are masked out.
+    masked_text = tokenizer.decode([t for t, m in zip(sample.token_ids, sample.loss_mask) if not m])
+    assert "408\n</tool_response>" in masked_text and "<|im_start|>assistant\n" in masked_text
+    assert masked_text.count("<|im_end|>") == 3  # system, user and tool turns; the assistant's are trained
+
+
+def test_sft_steps_raise_demonstration_likelihood(tokenizer, tiny_model):
+    sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES, tokenizer.eos_token_id)
+    ids, attention, mask = pad_batch([sample], tokenizer.pad_token_id)
+
+    def nll() -> float:
+        with torch.no_grad():
+            return -(sequence_logprobs(tiny_model, ids, attention) * mask[:, 1:]).sum().item()
+
+    before = nll()
+    losses = sft_train(tiny_model, [sample], tokenizer.pad_token_id, steps=3, batch_size=1, lr=1e-2)
+    assert nll() < before and losses[-1] < losses[0]
