@@ -1,0 +1,97 @@
+"""Policy losses, loss aggregation and KL estimators: pure tensor functions over (B, T) tensors.
+
+Every (B, T) tensor is aligned with the token sequence and weighted by `mask_BT` (1 on tokens the
+policy sampled). Nothing here knows about models, batches or optimisers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
+    """Reduce per-token losses to a scalar.
+
+    token-mean: every trainable token weighs the same (DAPO, Yu et al. 2025, arXiv:2503.14476).
+    seq-mean-token-mean: mean per sequence, then over sequences (the original GRPO objective).
+    seq-mean-token-sum: sum per sequence, then mean over sequences (Dr.GRPO, arXiv:2503.20783,
+    without its constant normaliser). Sequences with no trainable token are left out of the means.
+    """
+    m = mask_BT.to(loss_BT.dtype)
+    if mode == "token-mean":
+        return (loss_BT * m).sum() / m.sum().clamp(min=1)
+    per_seq_B = (loss_BT * m).sum(dim=1)
+    has_tokens_B = (m.sum(dim=1) > 0).to(loss_BT.dtype)
+    if mode == "seq-mean-token-mean":
+        per_seq_B = per_seq_B / m.sum(dim=1).clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown aggregation '{mode}'")
+    return (per_seq_B * has_tokens_B).sum() / has_tokens_B.sum().clamp(min=1)
+
+
+def ppo_policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor,
+                    mask_BT: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                    dual_clip: float | None = None, aggregation: Aggregation = "token-mean",
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate with asymmetric bounds and optional dual clip; (loss, metrics).
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347. The ratio is
+    clipped to [1 - clip_low, 1 + clip_high]; a larger clip_high is DAPO's clip-higher (Yu et al.
+    2025, arXiv:2503.14476). Dual clip bounds the loss of negative-advantage tokens by
+    -dual_clip * A (Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729).
+    """
+    log_ratio_BT = logprobs_BT - old_logprobs_BT
+    ratio_BT = torch.exp(log_ratio_BT)
+    unclipped_BT = -advantages_BT * ratio_BT
+    clipped_BT = -advantages_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError("dual_clip must be larger than 1")
+        bounded_BT = torch.minimum(loss_BT, -advantages_BT * dual_clip)
+        loss_BT = torch.where(advantages_BT < 0, bounded_BT, loss_BT)
+    m = mask_BT.to(loss_BT.dtype)
+    with torch.no_grad():
+        n = m.sum().clamp(min=1)
+        metrics = {"clip_fraction": ((clipped_BT > unclipped_BT).to(m.dtype) * m).sum().item() / n.item(),
+                   "approx_kl": (0.5 * log_ratio_BT ** 2 * m).sum().item() / n.item(),
+                   "ratio_mean": (ratio_BT * m).sum().item() / n.item()}
+    return aggregate(loss_BT, mask_BT, aggregation), metrics
+
+
+def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: KLEstimator = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+
+    Schulman 2020, "Approximating KL Divergence" (joschu.net/blog/kl-approx.html), with
+    r = p_ref / p_policy: k1 = -log r (unbiased, high variance), k2 = (log r)^2 / 2,
+    k3 = (r - 1) - log r (unbiased, non-negative, low variance).
+    """
+    log_r_BT = ref_logprobs_BT - logprobs_BT
+    if kind == "k1":
+        return -log_r_BT
+    if kind == "k2":
+        return 0.5 * log_r_BT ** 2
+    if kind == "k3":
+        return torch.exp(log_r_BT) - 1.0 - log_r_BT
+    raise ValueError(f"unknown KL estimator '{kind}'")
+
+
+def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy of softmax(logits), shape (B, T)."""
+    logp_BTV = torch.log_softmax(logits_BTV.float(), dim=-1)
+    return -(logp_BTV.exp() * logp_BTV).sum(dim=-1)
+
+
+def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,
+               mask_BT: torch.Tensor, clip: float | None = 0.2) -> torch.Tensor:
+    """PPO's clipped value loss: 0.5 * max((v - R)^2, (clip(v, v_old ± clip) - R)^2), token mean."""
+    loss_BT = (values_BT - returns_BT) ** 2
+    if clip is not None:
+        clipped_BT = old_values_BT + torch.clamp(values_BT - old_values_BT, -clip, clip)
+        loss_BT = torch.maximum(loss_BT, (clipped_BT - returns_BT) ** 2)
+    return 0.5 * aggregate(loss_BT, mask_BT, "token-mean")

@@ -1,0 +1,108 @@
+"""Advantages, policy losses and KL estimators against numbers computed by hand or a plain loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentrl.algos.advantages import (gae_advantages, grpo_advantages, reinforce_pp_advantages,
+                                      rloo_advantages)
+from agentrl.algos.losses import aggregate, entropy_from_logits, kl_estimate, ppo_policy_loss, value_loss
+
+close = torch.testing.assert_close
+
+
+def test_grpo_and_dr_grpo():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    # mean 0.5, unbiased std sqrt(1/3) = 0.57735 → ±0.5 / 0.57735 = ±0.86603
+    close(grpo_advantages(rewards), torch.tensor([[0.86603, -0.86603, -0.86603, 0.86603], [0.0] * 4]),
+          atol=1e-4, rtol=0)
+    close(grpo_advantages(rewards, normalize_std=False), torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0] * 4]))
+
+
+def test_rloo():
+    # r=1: 1 - (0+0+1)/3 = 2/3; r=0: 0 - (1+0+1)/3 = -2/3
+    close(rloo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
+    with pytest.raises(ValueError, match="at least 2"):
+        rloo_advantages(torch.tensor([[1.0]]))
+
+
+def test_reinforce_pp():
+    # centred [[.5,-.5],[1,-1]]; batch std sqrt(2.5/3) = 0.912871
+    s = math.sqrt(2.5 / 3)
+    close(reinforce_pp_advantages(torch.tensor([[1.0, 0.0], [3.0, 1.0]])),
+          torch.tensor([[0.5 / s, -0.5 / s], [1 / s, -1 / s]]), atol=1e-5, rtol=0)
+
+
+def test_gae_by_hand_skips_tool_tokens():
+    # Tokens: two sampled, two tool-output (mask 0), one sampled with the final reward 1.
+    values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.3]])
+    rewards = torch.tensor([[0.0, 0.0, 5.0, 0.0, 1.0]])  # the reward on a tool token is ignored
+    mask = torch.tensor([[1, 1, 0, 0, 1]])
+    adv, ret = gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0)
+    close(adv, torch.tensor([[0.5, 0.6, 0.0, 0.0, 0.7]]))  # R - V on sampled tokens
+    close(ret, torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]]))
+
+
+def reference_gae(rewards, values, mask, gamma, lam):
+    """Textbook GAE on the sampled tokens alone, scattered back."""
+    out = torch.zeros_like(values)
+    for b in range(values.shape[0]):
+        idx = [t for t in range(values.shape[1]) if mask[b, t]]
+        running = 0.0
+        for k in reversed(range(len(idx))):
+            nxt = values[b, idx[k + 1]] if k + 1 < len(idx) else 0.0
+            delta = rewards[b, idx[k]] + gamma * nxt - values[b, idx[k]]
+            running = delta + gamma * lam * running
+            out[b, idx[k]] = running
+    return out
+
+
+def test_gae_matches_plain_loop():
+    g = torch.Generator().manual_seed(0)
+    values, rewards = torch.randn(3, 12, generator=g), torch.randn(3, 12, generator=g)
+    mask = (torch.rand(3, 12, generator=g) > 0.3).long()
+    adv, _ = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    close(adv, reference_gae(rewards, values, mask, 0.9, 0.8))
+
+
+def test_ppo_clip_asymmetric_and_dual():
+    old = torch.zeros(1, 4)
+    new = torch.log(torch.tensor([[1.5, 0.5, 4.0, 1.0]]))
+    adv = torch.tensor([[1.0, -1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 4)
+    # token 0: max(-1.5, -1.2) = -1.2; token 1: max(0.5, 0.8) = 0.8; token 2: max(4, 1.2) = 4;
+    # token 3: ratio 1 → -2.
+    loss, metrics = ppo_policy_loss(new, old, adv, mask, 0.2, 0.2)
+    close(loss, torch.tensor((-1.2 + 0.8 + 4.0 - 2.0) / 4))
+    assert metrics["clip_fraction"] == 0.5  # tokens 0 and 1
+    loss, _ = ppo_policy_loss(new, old, adv, mask, 0.2, 0.28)  # clip-higher: token 0 → -1.28
+    close(loss, torch.tensor((-1.28 + 0.8 + 4.0 - 2.0) / 4))
+    loss, _ = ppo_policy_loss(new, old, adv, mask, 0.2, 0.2, dual_clip=3.0)  # token 2 → min(4, 3)
+    close(loss, torch.tensor((-1.2 + 0.8 + 3.0 - 2.0) / 4))
+
+
+def test_aggregations():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 7.0, 7.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    close(aggregate(loss, mask, "token-mean"), torch.tensor(10 / 4))
+    close(aggregate(loss, mask, "seq-mean-token-mean"), torch.tensor((2.0 + 4.0) / 2))
+    close(aggregate(loss, mask, "seq-mean-token-sum"), torch.tensor((6.0 + 4.0) / 2))
+
+
+def test_kl_estimators():
+    logp, ref = torch.zeros(1, 1), torch.log(torch.tensor([[0.5]]))
+    # log r = log 0.5 = -0.693147
+    close(kl_estimate(logp, ref, "k1"), torch.tensor([[0.693147]]), atol=1e-6, rtol=0)
+    close(kl_estimate(logp, ref, "k2"), torch.tensor([[0.240227]]), atol=1e-6, rtol=0)
+    close(kl_estimate(logp, ref, "k3"), torch.tensor([[0.193147]]), atol=1e-6, rtol=0)
+    assert kl_estimate(ref, ref, "k3").item() == 0.0
+
+
+def test_entropy_and_value_loss():
+    close(entropy_from_logits(torch.zeros(1, 1, 4)), torch.tensor([[math.log(4)]]))
+    values, old, returns = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[0.0, 1.0]])
+    # token 0: max((1-0)^2, (0.7-0)^2) = 1; token 1: (0-1)^2 = 1 → 0.5 * mean = 0.5
+    close(value_loss(values, old, returns, torch.ones(1, 2), clip=0.2), torch.tensor(0.5))
