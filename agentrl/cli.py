@@ -17,6 +17,30 @@ def _rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from agentrl.config import load_recipe
+    from agentrl.train import train
+
+    train(load_recipe(args.recipe, args.overrides))
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from agentrl.config import load_recipe
+    from agentrl.trainer.sft import run_sft
+
+    run_sft(load_recipe(args.recipe, args.overrides))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from agentrl.config import load_recipe
+    from agentrl.rollout.run import run_eval
+
+    run_eval(load_recipe(args.recipe, args.overrides))
+    return 0
+
+
 def _tools_check(args: argparse.Namespace) -> int:
     from agentrl.tools.loader import load_tools
 
@@ -38,10 +62,14 @@ def _tools_list(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="Train LLM agents on multi-turn tool use.")
     commands = parser.add_subparsers(dest="command", required=True)
-    rollout = commands.add_parser("rollout", help="run episodes and write trajectories to JSONL")
-    rollout.add_argument("recipe", help="recipe YAML file")
-    rollout.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.group_size=8")
-    rollout.set_defaults(func=_rollout)
+    for name, func, text in (("train", _train, "RL training: rollouts, advantages, policy updates, weight sync"),
+                             ("sft", _sft, "supervised warm-up on multi-turn conversations"),
+                             ("eval", _eval, "accuracy on held-out tasks"),
+                             ("rollout", _rollout, "run episodes and write trajectories to JSONL")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("recipe", help="recipe YAML file")
+        command.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.group_size=8")
+        command.set_defaults(func=func)
     tools = commands.add_parser("tools", help="inspect tools").add_subparsers(dest="tools_command", required=True)
     check = tools.add_parser("check", help="validate tool YAML files and print each tool's schema")
     check.add_argument("files", nargs="+")

@@ -76,6 +76,56 @@ class RewardConfig(_Section):
     interaction_scores: bool = Field(False, description="Add the interaction's scores.")
 
 
+class SFTConfig(_Section):
+    base_model: str | None = Field(None, description="Model the SFT stage starts from (null: model.path).")
+    output: str | None = Field(None, description="Where the SFT model is saved (default <output_dir>/sft).")
+    data: str = Field("arithmetic", description="'arithmetic' (generated calculator demonstrations) or a jsonl "
+                                                "file with a 'messages' list per line.")
+    num_examples: int = Field(32, ge=1, description="Generated demonstrations (data 'arithmetic').")
+    min_digits: int = Field(2, ge=1, description="Fewest digits of a demonstration operand.")
+    max_digits: int = Field(3, ge=1, description="Most digits of a demonstration operand.")
+    steps: int = Field(20, ge=0, description="Optimizer steps.")
+    batch_size: int = Field(4, ge=1, description="Conversations per step.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    bf16_autocast: bool = Field(False, description="Run forward passes under bfloat16 autocast.")
+    seed: int = Field(1000, description="Seed of demonstrations and batch order.")
+
+
+class AlgorithmConfig(_Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="Advantage estimator over each task's group of episodes.")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="How per-token losses become one number.")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1.")
+    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (DAPO clip-higher: larger).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound for negative advantages (null: off).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference model (0: no reference).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    kl_in_reward: bool = Field(False, description="Apply the KL as a per-token reward penalty, not a loss term.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+
+
+class TrainerConfig(_Section):
+    steps: int = Field(10, ge=1, description="RL steps (collect, update, sync).")
+    tasks_per_step: int = Field(8, ge=1, description="Tasks per step; each yields rollout.group_size episodes.")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass.")
+    micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward/backward.")
+    bf16_autocast: bool = Field(False, description="Run training forward passes under bfloat16 autocast.")
+    save_every: int = Field(0, ge=0, description="Save a model directory every N steps (0: only at the end).")
+
+
+class EvalConfig(_Section):
+    num_tasks: int = Field(32, ge=1, description="Held-out tasks.")
+    seed: int = Field(10_000, description="Seed of held-out arithmetic tasks (data.source 'arithmetic').")
+    files: list[str] = Field(default_factory=list, description="Held-out task files (other sources).")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature for evaluation (0: greedy).")
+
+
 class RecipeConfig(_Section):
     name: str = Field("run", description="Run name; names the output directory.")
     output_dir: str | None = Field(None, description="Where outputs go (default runs/<name>).")
@@ -85,6 +135,10 @@ class RecipeConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="The episode loop.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The inference engine.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How rewards are summed.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm-up (agentrl sft).")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL objective.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="RL optimisation.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation (agentrl eval).")
 
     @model_validator(mode="after")
     def _derive(self) -> "RecipeConfig":
@@ -92,6 +146,12 @@ class RecipeConfig(_Section):
             self.output_dir = str(Path("runs") / self.name)
         if self.data.arithmetic.min_digits > self.data.arithmetic.max_digits:
             raise ValueError("data.arithmetic.min_digits is larger than max_digits")
+        if self.sft.min_digits > self.sft.max_digits:
+            raise ValueError("sft.min_digits is larger than max_digits")
+        if self.sft.base_model is None:
+            self.sft.base_model = self.model.path
+        if self.sft.output is None:
+            self.sft.output = str(Path(self.output_dir) / "sft")
         return self
 
 

@@ -6,6 +6,7 @@ with GSM8K-style answers ('#### <number>'), so the same rewards and tools apply 
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,39 @@ def _row_task(row: dict[str, Any], index: int, prompt_key: str, answer_key: str 
     return Task(id=str(row[id_key]) if id_key else f"row-{index}", prompt=row[prompt_key],
                 answer=None if answer is None else str(answer),
                 tool_kwargs=row.get("tool_kwargs") or {}, metadata={"row": index})
+
+
+def arithmetic_demonstrations(n: int, seed: int, min_digits: int, max_digits: int,
+                              system_prompt: str | None) -> list[list[dict[str, Any]]]:
+    """Conversations solving generated problems with one calculator call, for a supervised warm-up."""
+    from agentrl.tools.builtin.calculator import format_number
+
+    conversations = []
+    for task in arithmetic_tasks(n, seed, min_digits, max_digits):
+        expression = task.metadata["expression"]
+        value = format_number(evaluate(expression))
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        conversations.append(task.messages(system_prompt) + [
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": value},
+            {"role": "assistant", "content": f"The answer is {value}."}])
+    return conversations
+
+
+def conversation_file(path: str) -> list[list[dict[str, Any]]]:
+    """A jsonl file with one {"messages": [...]} object per line."""
+    if not Path(path).is_file():
+        raise ConfigError(f"sft.data: '{path}' not found")
+    conversations = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            messages = row["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(f"{path}:{number}: expected a JSON object with a 'messages' list") from None
+        if not any(m.get("role") == "assistant" for m in messages):
+            raise ConfigError(f"{path}:{number}: the conversation has no assistant turn to learn from")
+        conversations.append(messages)
+    return conversations

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from agentrl.data import arithmetic_tasks
+from agentrl.env.rewards import gsm8k_reward
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.episode import ChatRenderer, EpisodeRunner, EpisodeSettings
@@ -77,7 +78,7 @@ def delayed(seconds: float) -> FunctionTool:
 
 
 def run_loop(engine, tokenizer, tools, tasks, group, settings):
-    runner = EpisodeRunner(engine, tokenizer, tools, parse_hermes, settings)
+    runner = EpisodeRunner(engine, tokenizer, tools, parse_hermes, settings, reward_fn=gsm8k_reward)
     started = time.perf_counter()
     trajectories = asyncio.run(collect(runner, tasks, group, max_concurrent=len(tasks) * group))
     return summarize(trajectories, time.perf_counter() - started)

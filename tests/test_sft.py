@@ -6,7 +6,8 @@ import torch
 
 from agentrl.rollout.episode import ChatRenderer
 from agentrl.tools.builtin.calculator import calculator
-from agentrl.trainer.sft import conversation_sample, pad_batch, sequence_logprobs, sft_train
+from agentrl.trainer.logprobs import pad_sequences, token_logprobs
+from agentrl.trainer.sft import conversation_sample, sft_train
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12 * 34?"},
@@ -30,11 +31,11 @@ def test_only_assistant_tokens_carry_loss(tokenizer):
 
 def test_sft_steps_raise_demonstration_likelihood(tokenizer, tiny_model):
     sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES, tokenizer.eos_token_id)
-    ids, attention, mask = pad_batch([sample], tokenizer.pad_token_id)
+    batch = pad_sequences([sample.token_ids], [sample.loss_mask], tokenizer.pad_token_id)
 
     def nll() -> float:
         with torch.no_grad():
-            return -(sequence_logprobs(tiny_model, ids, attention) * mask[:, 1:]).sum().item()
+            return -(token_logprobs(tiny_model, batch)[0] * batch.mask_BT).sum().item()
 
     before = nll()
     losses = sft_train(tiny_model, [sample], tokenizer.pad_token_id, steps=3, batch_size=1, lr=1e-2)

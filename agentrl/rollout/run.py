@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from agentrl.config import RecipeConfig, to_yaml
+from agentrl.errors import ConfigError
 from agentrl.data import arithmetic_tasks, dataset_tasks
 from agentrl.env.interaction import load_interaction
 from agentrl.env.rewards import load_reward_fn
@@ -75,4 +76,27 @@ def run_rollout(config: RecipeConfig) -> dict[str, float]:
     print(f"wrote {len(trajectories)} trajectories to {out}")
     for key, value in summary.items():
         print(f"  {key:<24} {value:.4g}")
+    return summary
+
+
+def run_eval(config: RecipeConfig) -> dict[str, float]:
+    """`agentrl eval`: one episode per held-out task at eval.temperature; accuracy = mean outcome reward."""
+    e = config.eval
+    overrides = {"rollout": {**config.rollout.model_dump(), "temperature": e.temperature, "group_size": 1}}
+    if e.files:
+        overrides["data"] = {**config.data.model_dump(), "source": "files", "files": e.files, "num_tasks": e.num_tasks}
+    elif config.data.source == "arithmetic":
+        overrides["data"] = {**config.data.model_dump(), "seed": e.seed, "num_tasks": e.num_tasks}
+    else:
+        raise ConfigError("eval.files: held-out files are needed when data.source is not 'arithmetic'")
+    eval_config = RecipeConfig.model_validate({**config.model_dump(), **overrides})
+    runner, tasks = build_runner(eval_config)
+    started = time.perf_counter()
+    trajectories = asyncio.run(collect(runner, tasks, 1, config.rollout.max_concurrent_episodes))
+    summary = summarize(trajectories, time.perf_counter() - started)
+    summary["accuracy"] = sum(t.metrics.get("outcome_reward", 0.0) for t in trajectories) / len(trajectories)
+    out = Path(config.output_dir) / "eval.jsonl"
+    write_jsonl(trajectories, out)
+    print(f"eval {config.model.path}: accuracy {summary['accuracy']:.3f} on {len(tasks)} held-out tasks, "
+          f"tool-call rate {summary['tool_call_rate']:.2f}, mean turns {summary['mean_turns']:.2f} ({out})")
     return summary

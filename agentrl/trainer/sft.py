@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from agentrl.rollout.episode import ChatRenderer
+from agentrl.trainer.logprobs import pad_sequences, token_logprobs
 
 
 @dataclass
@@ -40,41 +41,58 @@ def conversation_sample(renderer: ChatRenderer, messages: list[dict[str, Any]], 
     return Sample(ids, mask)
 
 
-def sequence_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor) -> torch.Tensor:
-    """log p(token t | tokens < t) for t ≥ 1; shape (B, T-1)."""
-    logits_BTV = model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1].float()
-    return torch.log_softmax(logits_BTV, dim=-1).gather(2, ids_BT[:, 1:, None]).squeeze(2)
-
-
-def pad_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(s.token_ids) for s in samples)
-    ids_BT = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    attention_BT = torch.zeros((len(samples), width), dtype=torch.long)
-    mask_BT = torch.zeros((len(samples), width), dtype=torch.float)
-    for row, s in enumerate(samples):  # right padding: training needs no aligned last token
-        ids_BT[row, : len(s.token_ids)] = torch.tensor(s.token_ids)
-        attention_BT[row, : len(s.token_ids)] = 1
-        mask_BT[row, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float)
-    return ids_BT, attention_BT, mask_BT
-
-
 def sft_train(model: torch.nn.Module, samples: list[Sample], pad_id: int, steps: int, batch_size: int = 4,
-              lr: float = 1e-4, seed: int = 0) -> list[float]:
+              lr: float = 1e-4, seed: int = 0, bf16_autocast: bool = False,
+              on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """AdamW on the token-mean negative log-likelihood of mask-1 tokens; returns the loss per step."""
     rng = random.Random(seed)
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for _ in range(steps):
-        batch = rng.sample(samples, min(batch_size, len(samples)))
-        ids_BT, attention_BT, mask_BT = pad_batch(batch, pad_id)
-        logprobs_BT = sequence_logprobs(model, ids_BT, attention_BT)
-        target_mask_BT = mask_BT[:, 1:]
-        loss = -(logprobs_BT * target_mask_BT).sum() / target_mask_BT.sum().clamp(min=1)
+        chosen = rng.sample(samples, min(batch_size, len(samples)))
+        batch = pad_sequences([s.token_ids for s in chosen], [s.loss_mask for s in chosen], pad_id, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
+            logprobs_BT, _ = token_logprobs(model, batch)
+        loss = -(logprobs_BT * batch.mask_BT).sum() / batch.mask_BT.sum().clamp(min=1)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.item())
+        if on_step:
+            on_step(len(losses), loss.item())
     model.eval()
     return losses
+
+
+def run_sft(config) -> str:
+    """`agentrl sft`: demonstrations → supervised steps → a model directory; returns its path."""
+    import sys
+    import time
+
+    from agentrl.config import to_yaml
+    from agentrl.data import arithmetic_demonstrations, conversation_file
+    from agentrl.models import load_model, load_tokenizer
+    from agentrl.tools.loader import load_tool_files
+
+    print(to_yaml(config), file=sys.stderr)
+    s = config.sft
+    tools = load_tool_files(config.rollout.tool_configs)
+    conversations = (arithmetic_demonstrations(s.num_examples, s.seed, s.min_digits, s.max_digits,
+                                               config.rollout.system_prompt)
+                     if s.data == "arithmetic" else conversation_file(s.data))
+    tokenizer = load_tokenizer(s.base_model, config.model.chat_template, needs_tools=bool(tools))
+    renderer = ChatRenderer(tokenizer, tools)
+    samples = [conversation_sample(renderer, c, tokenizer.eos_token_id) for c in conversations]
+    model = load_model(s.base_model)
+    started = time.perf_counter()
+    losses = sft_train(model, samples, tokenizer.pad_token_id, s.steps, s.batch_size, s.lr, s.seed,
+                       s.bf16_autocast, on_step=lambda step, loss: print(f"sft step {step}/{s.steps} loss {loss:.4f}"))
+    model.save_pretrained(s.output)
+    tokenizer.save_pretrained(s.output)
+    if losses:
+        print(f"sft: {len(samples)} conversations, {s.steps} steps in {time.perf_counter() - started:.0f} s, "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved {s.output}")
+    return s.output

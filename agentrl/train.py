@@ -1,0 +1,124 @@
+"""The RL driver. One step: collect groups → release engine memory → old and reference logprobs →
+advantages → policy update → resume engine memory → weight sync (new version, cache flush) → log.
+
+Everything a step needs is built once in `train`; the loop body reads top to bottom. Roles are
+plain objects in this process (trainer.backend 'local').
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from agentrl.algos.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from agentrl.algos.losses import kl_estimate
+from agentrl.config import AlgorithmConfig, RecipeConfig, to_yaml
+from agentrl.models import load_model
+from agentrl.rollout.collect import collect, summarize
+from agentrl.rollout.run import build_runner
+from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
+from agentrl.types import Trajectory
+
+ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": lambda r: grpo_advantages(r, normalize_std=False),
+              "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}
+
+
+def token_advantages(trajectories: list[Trajectory], group_size: int, algo: AlgorithmConfig,
+                     kl_per_token: list[list[float]] | None = None) -> list[list[float]]:
+    """Each trajectory's outcome advantage on its trainable tokens; minus the KL-to-go if in reward."""
+    rewards_BG = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float).view(-1, group_size)
+    per_sequence = ESTIMATORS[algo.advantage](rewards_BG).flatten().tolist()
+    out = []
+    for i, (traj, advantage) in enumerate(zip(trajectories, per_sequence)):
+        row = [advantage * m for m in traj.loss_mask]
+        if kl_per_token is not None:  # penalty summed from each token to the end (γ = 1)
+            to_go = 0.0
+            for t in reversed(range(len(row))):
+                to_go += algo.kl_coef * kl_per_token[i][t] * traj.loss_mask[t]
+                row[t] -= to_go * traj.loss_mask[t]
+        out.append(row)
+    return out
+
+
+def save_model(model: torch.nn.Module, tokenizer, path: Path) -> None:
+    """A save_pretrained directory, written beside the target and renamed into place."""
+    staging = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
+
+
+def train(config: RecipeConfig) -> list[dict[str, float]]:
+    print(to_yaml(config), file=sys.stderr)
+    t, a, r = config.trainer, config.algorithm, config.rollout
+    runner, pool = build_runner(config)
+    engine, tokenizer = runner.engine, runner.renderer.tokenizer
+    policy = PolicyWorker(
+        load_model(config.model.path), tokenizer.pad_token_id, lr=t.lr, temperature=r.temperature,
+        weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
+        mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens, clip_low=a.clip_low,
+        clip_high=a.clip_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
+        kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+        bf16_autocast=t.bf16_autocast, seed=config.seed)
+    reference = (ReferenceWorker(load_model(config.model.path), tokenizer.pad_token_id, r.temperature,
+                                 t.micro_batch_tokens) if a.kl_coef > 0 else None)
+    run_dir = Path(config.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    history: list[dict[str, float]] = []
+    bar = tqdm(range(1, t.steps + 1), desc="train", file=sys.stdout, dynamic_ncols=True)
+    with open(run_dir / "metrics.jsonl", "w") as log:
+        for step in bar:
+            tasks = [pool[i % len(pool)] for i in range((step - 1) * t.tasks_per_step, step * t.tasks_per_step)]
+            clock = time.perf_counter()
+            trajectories = asyncio.run(collect(runner, tasks, r.group_size, r.max_concurrent_episodes))
+            rollout = summarize(trajectories, time.perf_counter() - clock)
+            times = {"time_rollout_s": time.perf_counter() - clock}
+
+            clock = time.perf_counter()
+            engine.release_memory()
+            sequences, masks = [tr.token_ids for tr in trajectories], [tr.loss_mask for tr in trajectories]
+            old = None if policy.on_policy else policy.logprobs(sequences, masks)
+            ref = reference.logprobs(sequences, masks) if reference else None
+            kl = None
+            if ref is not None and a.kl_in_reward:
+                base = old or policy.logprobs(sequences, masks)
+                kl = [kl_estimate(torch.tensor(p), torch.tensor(q), a.kl_estimator).tolist() for p, q in zip(base, ref)]
+            advantages = token_advantages(trajectories, r.group_size, a, kl)
+            times["time_logprobs_s"] = time.perf_counter() - clock
+
+            clock = time.perf_counter()
+            update = policy.update(sequences, masks, advantages, old, None if a.kl_in_reward else ref)
+            times["time_update_s"] = time.perf_counter() - clock
+
+            clock = time.perf_counter()
+            engine.resume_memory()
+            engine.update_weights(policy.named_weights(), version=step, flush_cache=True)
+            times["time_sync_s"] = time.perf_counter() - clock
+
+            rewards = torch.tensor([tr.reward or 0.0 for tr in trajectories])
+            record = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                      "accuracy": sum(tr.metrics.get("outcome_reward", 0.0) for tr in trajectories) / len(trajectories),
+                      "response_tokens": rollout["tokens_generated"] / len(trajectories),
+                      **{k: v for k, v in rollout.items() if k not in ("reward_mean", "wall_s")},
+                      **update, **times, "weight_version": step}
+            record["tokens_per_s"] = rollout["tokens_generated"] / sum(times.values())
+            history.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", tools=f"{record['tool_call_rate']:.2f}",
+                            loss=f"{record['loss']:.4f}", kl=f"{record['approx_kl']:.4f}")
+            if t.save_every and step % t.save_every == 0:
+                save_model(policy.model, tokenizer, run_dir / f"step_{step}")
+    save_model(policy.model, tokenizer, run_dir / "final")
+    print(f"saved {run_dir / 'final'}; metrics in {run_dir / 'metrics.jsonl'}")
+    return history

@@ -1,0 +1,99 @@
+"""Token log-probabilities of a batch of sequences, without the full-vocabulary logits in memory.
+
+The decoder runs once over the padded batch; the output head and log-softmax then run only on the
+positions whose next token is wanted (the trainable ones), in chunks of rows, each chunk under
+activation checkpointing when gradients are needed. So at most one chunk × vocabulary of logits is
+alive at a time, in the forward and in the backward pass (FACTS.md: the full 8×256×49152 logits are
+a large part of an 8 GB peak).
+
+Results are aligned with token positions: out[b, t] = log p(token t | tokens < t), 0 where not
+wanted, exactly as Trajectory.logprobs stores the engine's values. Models whose logits get extra
+processing after the output head (soft-capping, scaling) are not covered by this shortcut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class PaddedBatch:
+    ids_BT: torch.Tensor
+    attention_BT: torch.Tensor
+    mask_BT: torch.Tensor  # float, 1 on trainable tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask_BT.sum().item())
+
+
+def pad_sequences(sequences: list[list[int]], masks: list[list[int]], pad_id: int, device: str = "cpu") -> PaddedBatch:
+    width = max(len(s) for s in sequences)
+    ids_BT = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_BT = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask_BT = torch.zeros((len(sequences), width), dtype=torch.float)
+    for row, (seq, mask) in enumerate(zip(sequences, masks)):  # right padding
+        ids_BT[row, : len(seq)] = torch.tensor(seq)
+        attention_BT[row, : len(seq)] = 1
+        mask_BT[row, : len(mask)] = torch.tensor(mask, dtype=torch.float)
+    mask_BT[:, 0] = 0.0  # the first token has no context to be predicted from
+    return PaddedBatch(ids_BT.to(device), attention_BT.to(device), mask_BT.to(device))
+
+
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices grouped so that rows × longest row ≤ token_budget (a single long row always fits)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > token_budget:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _head_logprobs(head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_NV = head(hidden_NH).float()
+    if temperature > 0:
+        logits_NV = logits_NV / temperature
+    logp_NV = torch.log_softmax(logits_NV, dim=-1)
+    entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
+    return logp_NV.gather(1, targets_N[:, None]).squeeze(1), entropy_N
+
+
+def token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0,
+                   chunk_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs_BT, entropy_BT) on the batch's mask-1 positions, zeros elsewhere.
+
+    `temperature` must be the sampling temperature, so these match the engine's logprobs.
+    Gradients flow when grad mode is on.
+    """
+    hidden_BTH = model.get_decoder()(input_ids=batch.ids_BT, attention_mask=batch.attention_BT).last_hidden_state
+    head = model.get_output_embeddings()
+    want_BT = batch.mask_BT[:, 1:] > 0  # token t+1 is predicted from position t
+    hidden_NH = hidden_BTH[:, :-1][want_BT]
+    targets_N = batch.ids_BT[:, 1:][want_BT]
+    logps, entropies = [], []
+    for start in range(0, hidden_NH.shape[0], chunk_rows):
+        args = (head, hidden_NH[start:start + chunk_rows], targets_N[start:start + chunk_rows], temperature)
+        if torch.is_grad_enabled():
+            logp_N, entropy_N = checkpoint(_head_logprobs, *args, use_reentrant=False)
+        else:
+            logp_N, entropy_N = _head_logprobs(*args)
+        logps.append(logp_N)
+        entropies.append(entropy_N)
+    logprobs_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.float, device=hidden_BTH.device)
+    entropy_BT = torch.zeros_like(logprobs_BT)
+    if logps:
+        full_want_BT = torch.zeros_like(batch.mask_BT, dtype=torch.bool)
+        full_want_BT[:, 1:] = want_BT
+        logprobs_BT = logprobs_BT.masked_scatter(full_want_BT, torch.cat(logps))
+        entropy_BT = entropy_BT.masked_scatter(full_want_BT, torch.cat(entropies))
+    return logprobs_BT, entropy_BT

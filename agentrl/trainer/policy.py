@@ -1,0 +1,152 @@
+"""The policy worker (PPO-style updates) and the reference worker (frozen logprobs for KL).
+
+Plain classes holding a model: testable in one process, and the unit a distributed launcher would
+wrap. A training step hands the policy worker per-token advantages; the worker runs PPO epochs over
+mini-batches, packs each mini-batch into micro-batches by a token budget, accumulates gradients so
+the loss equals the mini-batch loss exactly, clips the gradient norm and steps AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Iterator
+
+import torch
+
+from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
+from agentrl.trainer.logprobs import pack_micro_batches, pad_sequences, token_logprobs
+
+
+def _pad_values(rows: list[list[float]], width: int, device: torch.device | str) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float)
+    return out.to(device)
+
+
+class ReferenceWorker:
+    """A frozen model whose logprobs anchor the KL term."""
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, temperature: float, micro_batch_tokens: int):
+        self.model = model.eval().requires_grad_(False)
+        self.pad_id, self.temperature, self.micro_batch_tokens = pad_id, temperature, micro_batch_tokens
+
+    @torch.no_grad()
+    def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
+        return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature, self.micro_batch_tokens)
+
+
+def batched_logprobs(model: torch.nn.Module, sequences: list[list[int]], masks: list[list[int]], pad_id: int,
+                     temperature: float, micro_batch_tokens: int) -> list[list[float]]:
+    """Per-sequence token logprobs (0.0 off the mask), computed in micro-batches without grad."""
+    device = next(model.parameters()).device
+    out: list[list[float]] = [[] for _ in sequences]
+    with torch.no_grad():
+        for idx in pack_micro_batches([len(s) for s in sequences], micro_batch_tokens):
+            batch = pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], pad_id, device)
+            logprobs_BT, _ = token_logprobs(model, batch, temperature)
+            for row, i in enumerate(idx):
+                out[i] = logprobs_BT[row, : len(sequences[i])].tolist()
+    return out
+
+
+class PolicyWorker:
+    """The trained model, its optimiser and learning-rate schedule."""
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, *, lr: float, temperature: float,
+                 weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
+                 ppo_epochs: int = 1, mini_batches: int = 1, micro_batch_tokens: int = 4096,
+                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+                 aggregation: str = "token-mean", kl_coef: float = 0.0, kl_estimator: str = "k3",
+                 entropy_coef: float = 0.0, bf16_autocast: bool = False, seed: int = 0):
+        self.model = model.train()
+        self.device = next(model.parameters()).device
+        self.pad_id, self.temperature = pad_id, temperature
+        self.grad_clip, self.ppo_epochs, self.mini_batches = grad_clip, ppo_epochs, mini_batches
+        self.micro_batch_tokens = micro_batch_tokens
+        self.clip = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation)
+        self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
+        self.bf16_autocast = bf16_autocast
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
+        self.rng = random.Random(seed)
+
+    @property
+    def on_policy(self) -> bool:
+        """One pass over one mini-batch: the pre-update logprobs are those of the first forward."""
+        return self.ppo_epochs == 1 and self.mini_batches == 1
+
+    def _autocast(self):
+        if not self.bf16_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
+        with self._autocast():
+            return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature,
+                                    self.micro_batch_tokens)
+
+    def update(self, sequences: list[list[int]], masks: list[list[int]], advantages: list[list[float]],
+               old_logprobs: list[list[float]] | None = None,
+               ref_logprobs: list[list[float]] | None = None) -> dict[str, float]:
+        """PPO epochs over mini-batches; `old_logprobs` None is allowed only when on_policy."""
+        if old_logprobs is None and not self.on_policy:
+            raise ValueError("old_logprobs are required with several epochs or mini-batches")
+        if self.kl_coef > 0 and ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs reference logprobs")
+        totals: dict[str, float] = {}
+        order = list(range(len(sequences)))
+        for _ in range(self.ppo_epochs):
+            self.rng.shuffle(order)
+            for mini in (order[i::self.mini_batches] for i in range(self.mini_batches)):
+                if mini:
+                    for key, value in self._mini_batch(mini, sequences, masks, advantages, old_logprobs,
+                                                       ref_logprobs).items():
+                        totals[key] = totals.get(key, 0.0) + value
+        passes = self.ppo_epochs * self.mini_batches
+        metrics = {key: value / passes for key, value in totals.items()}
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return metrics
+
+    def _mini_batch(self, mini, sequences, masks, advantages, old_logprobs, ref_logprobs) -> dict[str, float]:
+        token_mean = self.clip["aggregation"] == "token-mean"
+        total = sum(sum(masks[i][1:]) for i in mini) if token_mean else sum(1 for i in mini if sum(masks[i][1:]))
+        metrics = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in pack_micro_batches([len(sequences[i]) for i in mini], self.micro_batch_tokens):
+            idx = [mini[j] for j in micro]
+            batch = pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], self.pad_id, self.device)
+            width = batch.ids_BT.shape[1]
+            with self._autocast():
+                logprobs_BT, entropy_BT = token_logprobs(self.model, batch, self.temperature)
+            old_BT = (_pad_values([old_logprobs[i] for i in idx], width, self.device) if old_logprobs is not None
+                      else logprobs_BT.detach())
+            advantages_BT = _pad_values([advantages[i] for i in idx], width, self.device)
+            part = (batch.num_tokens if token_mean else int((batch.mask_BT.sum(1) > 0).sum())) / max(total, 1)
+            loss, clip_metrics = ppo_policy_loss(logprobs_BT, old_BT, advantages_BT, batch.mask_BT, **self.clip)
+            loss = loss * part
+            entropy = aggregate(entropy_BT, batch.mask_BT, self.clip["aggregation"])
+            if self.entropy_coef:
+                loss = loss - self.entropy_coef * entropy * part
+            if ref_logprobs is not None:
+                ref_BT = _pad_values([ref_logprobs[i] for i in idx], width, self.device)
+                kl = aggregate(kl_estimate(logprobs_BT, ref_BT, self.kl_estimator), batch.mask_BT,
+                               self.clip["aggregation"])
+                if self.kl_coef:
+                    loss = loss + self.kl_coef * kl * part
+                metrics["kl_ref"] += kl.item() * part
+            loss.backward()
+            metrics["loss"] += loss.item()
+            metrics["entropy"] += entropy.item() * part
+            metrics["clip_fraction"] += clip_metrics["clip_fraction"] * part
+            metrics["approx_kl"] += clip_metrics["approx_kl"] * part
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        self.optimizer.step()
+        return metrics
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors for weight sync, names as in state_dict()."""
+        yield from self.model.state_dict().items()
