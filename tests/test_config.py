@@ -22,7 +22,7 @@ def test_recipe_and_overrides():
 
 @pytest.mark.parametrize("override,message", [
     ("rollout.bogus_key=1", "unknown key 'rollout.bogus_key'"),
-    ("trainer.bogus_key=1", "unknown key 'trainer'"),
+    ("trainer.bogus_key=1", "unknown key 'trainer.bogus_key'"),
     ("rollout.group_size=zero", "rollout.group_size: Input should be a valid integer"),
     ("rollout.top_p=1.5", "rollout.top_p: Input should be less than or equal to 1"),
     ("rollout.group_size", "override 'rollout.group_size': expected key=value"),
