@@ -9,35 +9,23 @@ import sys
 from agentrl.errors import ConfigError
 
 
-def _rollout(args: argparse.Namespace) -> int:
+# command → (module, function taking a RecipeConfig); imported only when that command runs
+RECIPE_COMMANDS = {
+    "train": ("agentrl.train", "train", "RL training: rollouts, advantages, policy updates, weight sync"),
+    "sft": ("agentrl.trainer.sft", "run_sft", "supervised warm-up on multi-turn conversations"),
+    "eval": ("agentrl.rollout.run", "run_eval", "accuracy on held-out tasks"),
+    "rollout": ("agentrl.rollout.run", "run_rollout", "run episodes and write trajectories to JSONL"),
+}
+
+
+def _recipe_command(args: argparse.Namespace) -> int:
+    import importlib
+
     from agentrl.config import load_recipe
-    from agentrl.rollout.run import run_rollout
 
-    run_rollout(load_recipe(args.recipe, args.overrides))
-    return 0
-
-
-def _train(args: argparse.Namespace) -> int:
-    from agentrl.config import load_recipe
-    from agentrl.train import train
-
-    train(load_recipe(args.recipe, args.overrides))
-    return 0
-
-
-def _sft(args: argparse.Namespace) -> int:
-    from agentrl.config import load_recipe
-    from agentrl.trainer.sft import run_sft
-
-    run_sft(load_recipe(args.recipe, args.overrides))
-    return 0
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from agentrl.config import load_recipe
-    from agentrl.rollout.run import run_eval
-
-    run_eval(load_recipe(args.recipe, args.overrides))
+    module, function, _ = RECIPE_COMMANDS[args.command]
+    config = load_recipe(args.recipe, args.overrides)  # a bad recipe stops before any heavy import
+    getattr(importlib.import_module(module), function)(config)
     return 0
 
 
@@ -62,14 +50,11 @@ def _tools_list(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="Train LLM agents on multi-turn tool use.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, func, text in (("train", _train, "RL training: rollouts, advantages, policy updates, weight sync"),
-                             ("sft", _sft, "supervised warm-up on multi-turn conversations"),
-                             ("eval", _eval, "accuracy on held-out tasks"),
-                             ("rollout", _rollout, "run episodes and write trajectories to JSONL")):
+    for name, (_, _, text) in RECIPE_COMMANDS.items():
         command = commands.add_parser(name, help=text)
         command.add_argument("recipe", help="recipe YAML file")
         command.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.group_size=8")
-        command.set_defaults(func=func)
+        command.set_defaults(func=_recipe_command)
     tools = commands.add_parser("tools", help="inspect tools").add_subparsers(dest="tools_command", required=True)
     check = tools.add_parser("check", help="validate tool YAML files and print each tool's schema")
     check.add_argument("files", nargs="+")
