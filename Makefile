@@ -1,3 +1,4 @@
+# make quickstart  SFT warm-up, GRPO, then held-out accuracy of the SFT and the RL model (CPU, ~15 min)
 # make test       set up .venv on a fresh machine (CPU torch first) and run the test suite
 # make rollout    run the small CPU rollout recipe with SmolLM2-135M-Instruct
 # make bench      run the benchmarks in bench/
@@ -5,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test rollout bench clean
+.PHONY: setup test quickstart rollout bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +21,14 @@ setup: $(STAMP)
 test: setup
 	$(PY) -m agentrl.models smollm2-135m-instruct
 	$(PY) -m pytest -q -rs tests
+
+QUICKSTART := recipes/quickstart.yaml
+quickstart: setup
+	$(PY) -m agentrl.models smollm2-135m-instruct
+	$(VENV)/bin/agentrl sft $(QUICKSTART)
+	$(VENV)/bin/agentrl train $(QUICKSTART)
+	$(VENV)/bin/agentrl eval $(QUICKSTART) model.path=runs/quickstart/sft
+	$(VENV)/bin/agentrl eval $(QUICKSTART) model.path=runs/quickstart/final
 
 rollout: setup
 	$(VENV)/bin/agentrl rollout recipes/rollout_cpu.yaml

@@ -92,8 +92,11 @@ class SFTConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
-        "grpo", description="Advantage estimator over each task's group of episodes.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = Field(
+        "grpo", description="Advantage estimator: group-relative over each task's episodes, or 'gae' "
+                            "with a critic (PPO).")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per trainable token.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="How per-token losses become one number.")
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1.")
@@ -119,6 +122,13 @@ class TrainerConfig(_Section):
     save_every: int = Field(0, ge=0, description="Save a model directory every N steps (0: only at the end).")
 
 
+class CriticConfig(_Section):
+    path: str | None = Field(None, description="Critic start point: a saved critic or causal LM "
+                                               "(null: a copy of the policy's transformer, zero value head).")
+    lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
+    value_clip: float | None = Field(0.2, gt=0, description="PPO value clip around the old values (null: off).")
+
+
 class EvalConfig(_Section):
     num_tasks: int = Field(32, ge=1, description="Held-out tasks.")
     seed: int = Field(10_000, description="Seed of held-out arithmetic tasks (data.source 'arithmetic').")
@@ -138,6 +148,7 @@ class RecipeConfig(_Section):
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm-up (agentrl sft).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL objective.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="RL optimisation.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (algorithm.advantage 'gae').")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation (agentrl eval).")
 
     @model_validator(mode="after")

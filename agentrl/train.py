@@ -1,5 +1,6 @@
 """The RL driver. One step: collect groups → release engine memory → old and reference logprobs →
-advantages → policy update → resume engine memory → weight sync (new version, cache flush) → log.
+(critic values) → advantages → policy (and critic) update → resume engine memory → weight sync
+(new version, cache flush) → log.
 
 Everything a step needs is built once in `train`; the loop body reads top to bottom. Roles are
 plain objects in this process (trainer.backend 'local').
@@ -18,34 +19,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from agentrl.algos.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from agentrl.algos.losses import kl_estimate
-from agentrl.config import AlgorithmConfig, RecipeConfig, to_yaml
+from agentrl.config import RecipeConfig, to_yaml
 from agentrl.models import load_model
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.run import build_runner
+from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
-from agentrl.types import Trajectory
-
-ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": lambda r: grpo_advantages(r, normalize_std=False),
-              "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}
-
-
-def token_advantages(trajectories: list[Trajectory], group_size: int, algo: AlgorithmConfig,
-                     kl_per_token: list[list[float]] | None = None) -> list[list[float]]:
-    """Each trajectory's outcome advantage on its trainable tokens; minus the KL-to-go if in reward."""
-    rewards_BG = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float).view(-1, group_size)
-    per_sequence = ESTIMATORS[algo.advantage](rewards_BG).flatten().tolist()
-    out = []
-    for i, (traj, advantage) in enumerate(zip(trajectories, per_sequence)):
-        row = [advantage * m for m in traj.loss_mask]
-        if kl_per_token is not None:  # penalty summed from each token to the end (γ = 1)
-            to_go = 0.0
-            for t in reversed(range(len(row))):
-                to_go += algo.kl_coef * kl_per_token[i][t] * traj.loss_mask[t]
-                row[t] -= to_go * traj.loss_mask[t]
-        out.append(row)
-    return out
+from agentrl.trainer.returns import gae_targets, outcome_advantages
 
 
 def save_model(model: torch.nn.Module, tokenizer, path: Path) -> None:
@@ -72,6 +53,13 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
         bf16_autocast=t.bf16_autocast, seed=config.seed)
     reference = (ReferenceWorker(load_model(config.model.path), tokenizer.pad_token_id, r.temperature,
                                  t.micro_batch_tokens) if a.kl_coef > 0 else None)
+    critic = None
+    if a.advantage == "gae":
+        value_model = ValueModel.load(config.critic.path) if config.critic.path else ValueModel.from_policy(policy.model)
+        critic = CriticWorker(value_model, tokenizer.pad_token_id, lr=config.critic.lr,
+                              value_clip=config.critic.value_clip, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
+                              mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens,
+                              bf16_autocast=t.bf16_autocast, seed=config.seed)
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     history: list[dict[str, float]] = []
@@ -93,11 +81,18 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
             if ref is not None and a.kl_in_reward:
                 base = old or policy.logprobs(sequences, masks)
                 kl = [kl_estimate(torch.tensor(p), torch.tensor(q), a.kl_estimator).tolist() for p, q in zip(base, ref)]
-            advantages = token_advantages(trajectories, r.group_size, a, kl)
+            if critic is not None:
+                values = critic.values(sequences, masks)
+                advantages, returns = gae_targets(trajectories, values, a, kl)
+            else:
+                advantages = outcome_advantages(trajectories, r.group_size, a, kl)
             times["time_logprobs_s"] = time.perf_counter() - clock
 
             clock = time.perf_counter()
-            update = policy.update(sequences, masks, advantages, old, None if a.kl_in_reward else ref)
+            update = policy.update(sequences, masks, advantages, old, None if a.kl_in_reward else ref,
+                                   rollout_logprobs=[tr.logprobs for tr in trajectories])
+            if critic is not None:
+                update |= critic.update(sequences, masks, returns, values)
             times["time_update_s"] = time.perf_counter() - clock
 
             clock = time.perf_counter()
@@ -120,5 +115,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
             if t.save_every and step % t.save_every == 0:
                 save_model(policy.model, tokenizer, run_dir / f"step_{step}")
     save_model(policy.model, tokenizer, run_dir / "final")
+    if critic is not None:
+        critic.model.save(run_dir / "critic")
     print(f"saved {run_dir / 'final'}; metrics in {run_dir / 'metrics.jsonl'}")
     return history

@@ -21,6 +21,11 @@ class Engine(Protocol):
         """Sample a continuation of `token_ids`; many calls may be in flight at once."""
         ...
 
+    def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """Logprobs of token_ids[start:] given their prefix (SGLang: input_token_logprobs); used to
+        check that the engine's weights match the trainer's after a sync."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush_cache: bool = True) -> None:
         """Load new weights in place; completions after it carry `version`."""

@@ -154,6 +154,18 @@ class HFEngine:
                 for ids, lps, fin in zip(new_ids, new_logprobs, finish)]
 
     @torch.no_grad()
+    def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """log p(token t | tokens < t) for t ≥ start, under softmax(logits / temperature)."""
+        if not 1 <= start < len(token_ids):
+            raise ValueError(f"score: start must be in [1, {len(token_ids)}), got {start}")
+        with self._lock:
+            ids_1T = torch.tensor([token_ids], device=self.device)
+            logits_TV = self.model(input_ids=ids_1T).logits[0, start - 1:-1].float()
+        if temperature > 0:
+            logits_TV = logits_TV / temperature
+        return torch.log_softmax(logits_TV, dim=-1).gather(1, ids_1T[0, start:, None]).squeeze(1).tolist()
+
+    @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush_cache: bool = True) -> None:
         """Copy tensors into the model in place (names as in `state_dict()`)."""

@@ -95,8 +95,9 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
     trajectories = asyncio.run(collect(runner, tasks, 1, config.rollout.max_concurrent_episodes))
     summary = summarize(trajectories, time.perf_counter() - started)
     summary["accuracy"] = sum(t.metrics.get("outcome_reward", 0.0) for t in trajectories) / len(trajectories)
-    out = Path(config.output_dir) / "eval.jsonl"
+    out = Path(config.output_dir) / f"eval_{Path(config.model.path).name}.jsonl"  # one file per evaluated model
     write_jsonl(trajectories, out)
+    out.with_suffix(".json").write_text(json.dumps({"model": config.model.path, **summary}, indent=2))
     print(f"eval {config.model.path}: accuracy {summary['accuracy']:.3f} on {len(tasks)} held-out tasks, "
           f"tool-call rate {summary['tool_call_rate']:.2f}, mean turns {summary['mean_turns']:.2f} ({out})")
     return summary

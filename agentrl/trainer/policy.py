@@ -90,8 +90,14 @@ class PolicyWorker:
 
     def update(self, sequences: list[list[int]], masks: list[list[int]], advantages: list[list[float]],
                old_logprobs: list[list[float]] | None = None,
-               ref_logprobs: list[list[float]] | None = None) -> dict[str, float]:
-        """PPO epochs over mini-batches; `old_logprobs` None is allowed only when on_policy."""
+               ref_logprobs: list[list[float]] | None = None,
+               rollout_logprobs: list[list[float]] | None = None) -> dict[str, float]:
+        """PPO epochs over mini-batches; `old_logprobs` None is allowed only when on_policy.
+
+        With `rollout_logprobs` (the engine's, as sampled) the metrics include
+        rollout_logprob_diff: the mean |engine - trainer| logprob gap before the update, which is
+        ~0 when weight sync works and grows with precision mismatch (bf16 engine) or a stale engine.
+        """
         if old_logprobs is None and not self.on_policy:
             raise ValueError("old_logprobs are required with several epochs or mini-batches")
         if self.kl_coef > 0 and ref_logprobs is None:
@@ -103,7 +109,7 @@ class PolicyWorker:
             for mini in (order[i::self.mini_batches] for i in range(self.mini_batches)):
                 if mini:
                     for key, value in self._mini_batch(mini, sequences, masks, advantages, old_logprobs,
-                                                       ref_logprobs).items():
+                                                       ref_logprobs, rollout_logprobs).items():
                         totals[key] = totals.get(key, 0.0) + value
         passes = self.ppo_epochs * self.mini_batches
         metrics = {key: value / passes for key, value in totals.items()}
@@ -111,10 +117,13 @@ class PolicyWorker:
         self.scheduler.step()
         return metrics
 
-    def _mini_batch(self, mini, sequences, masks, advantages, old_logprobs, ref_logprobs) -> dict[str, float]:
+    def _mini_batch(self, mini, sequences, masks, advantages, old_logprobs, ref_logprobs,
+                    rollout_logprobs) -> dict[str, float]:
         token_mean = self.clip["aggregation"] == "token-mean"
         total = sum(sum(masks[i][1:]) for i in mini) if token_mean else sum(1 for i in mini if sum(masks[i][1:]))
         metrics = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0}
+        if rollout_logprobs is not None:
+            metrics["rollout_logprob_diff"] = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for micro in pack_micro_batches([len(sequences[i]) for i in mini], self.micro_batch_tokens):
             idx = [mini[j] for j in micro]
@@ -125,6 +134,10 @@ class PolicyWorker:
             old_BT = (_pad_values([old_logprobs[i] for i in idx], width, self.device) if old_logprobs is not None
                       else logprobs_BT.detach())
             advantages_BT = _pad_values([advantages[i] for i in idx], width, self.device)
+            if rollout_logprobs is not None:  # always token-mean: a per-token precision figure
+                rollout_BT = _pad_values([rollout_logprobs[i] for i in idx], width, self.device)
+                gap = ((old_BT - rollout_BT).abs() * batch.mask_BT).sum().item()
+                metrics["rollout_logprob_diff"] += gap / max(sum(sum(masks[i][1:]) for i in mini), 1)
             part = (batch.num_tokens if token_mean else int((batch.mask_BT.sum(1) > 0).sum())) / max(total, 1)
             loss, clip_metrics = ppo_policy_loss(logprobs_BT, old_BT, advantages_BT, batch.mask_BT, **self.clip)
             loss = loss * part

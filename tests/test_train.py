@@ -1,0 +1,219 @@
+"""The training side: chunked logprobs, one PPO step's direction, weight sync, GAE targets, the critic,
+and `agentrl train` end to end through the real CLI."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentrl.config import AlgorithmConfig, load_recipe
+from agentrl.rollout.hf_engine import HFEngine
+from agentrl.trainer.critic import CriticWorker, ValueModel
+from agentrl.trainer.logprobs import pad_sequences, token_logprobs
+from agentrl.trainer.policy import PolicyWorker, batched_logprobs
+from agentrl.trainer.returns import gae_targets, outcome_advantages, token_rewards
+from agentrl.types import SamplingParams, Trajectory
+
+from conftest import make_tiny_llama
+
+PROMPT = [1, 504, 3301, 314, 2107, 30, 2, 198]
+COMPLETION = [1342, 314, 216, 35, 36, 37, 30, 2]
+SEQUENCE, MASK = PROMPT + COMPLETION, [0] * len(PROMPT) + [1] * len(COMPLETION)
+
+
+def sequence_logprob(model) -> float:
+    with torch.no_grad():
+        return sum(batched_logprobs(model, [SEQUENCE], [MASK], 2, 1.0, 4096)[0])
+
+
+def test_chunked_logprobs_equal_a_full_forward(tiny_model):
+    sequences = [SEQUENCE, PROMPT + COMPLETION[:3]]
+    masks = [MASK, [0] * len(PROMPT) + [1] * 3]
+    batch = pad_sequences(sequences, masks, pad_id=2)
+    with torch.no_grad():
+        logprobs_BT, entropy_BT = token_logprobs(tiny_model, batch, temperature=0.7, chunk_rows=3)
+        for row, seq in enumerate(sequences):
+            logp_TV = torch.log_softmax(tiny_model(torch.tensor([seq])).logits[0].float() / 0.7, dim=-1)
+            expected = logp_TV[:-1].gather(1, torch.tensor(seq[1:])[:, None]).squeeze(1)
+            wanted = torch.tensor(masks[row][1:], dtype=torch.bool)
+            got = logprobs_BT[row, 1:len(seq)]
+            torch.testing.assert_close(got[wanted], expected[wanted], atol=1e-5, rtol=0)
+            assert (got[~wanted] == 0).all() and (logprobs_BT[row, len(seq):] == 0).all()
+            entropy = -(logp_TV.exp() * logp_TV).sum(-1)[:-1]
+            torch.testing.assert_close(entropy_BT[row, 1:len(seq)][wanted], entropy[wanted], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_one_step_moves_sequence_logprob_with_the_advantage_sign(advantage):
+    model = make_tiny_llama()
+    before = sequence_logprob(model)
+    worker = PolicyWorker(model, 2, lr=1e-3, temperature=1.0)
+    metrics = worker.update([SEQUENCE], [MASK], [[advantage * m for m in MASK]])
+    after = sequence_logprob(model)
+    assert (after - before) * advantage > 0.05, (before, after)
+    assert metrics["clip_fraction"] == 0.0 and metrics["grad_norm"] > 0 and metrics["lr"] == 1e-3
+
+
+def test_weight_sync_makes_engine_logprobs_equal_the_trainers():
+    policy_model = make_tiny_llama()
+    engine = HFEngine(copy.deepcopy(policy_model), pad_token_id=2)
+    policy = PolicyWorker(policy_model, 2, lr=1e-2, temperature=1.0)
+
+    def trainer_logprobs() -> list[float]:
+        return policy.logprobs([SEQUENCE], [MASK])[0][len(PROMPT):]
+
+    engine_before = engine.score(SEQUENCE, len(PROMPT))
+    torch.testing.assert_close(torch.tensor(engine_before), torch.tensor(trainer_logprobs()), atol=1e-5, rtol=0)
+
+    policy.update([SEQUENCE], [MASK], [[m * 1.0 for m in MASK]])
+    trained = torch.tensor(trainer_logprobs())
+    assert (trained - torch.tensor(engine_before)).abs().max() > 1e-2  # the update moved the policy
+    assert engine.score(SEQUENCE, len(PROMPT)) == engine_before  # the engine is stale until the sync
+
+    engine.update_weights(policy.named_weights(), version=1, flush_cache=True)
+    engine_after = torch.tensor(engine.score(SEQUENCE, len(PROMPT)))
+    torch.testing.assert_close(engine_after, trained, atol=1e-5, rtol=0)
+    assert engine.weight_version == 1
+    # Sampled logprobs agree too: what the rollout records is what the trainer recomputes.
+    completion = engine.generate_batch([PROMPT], [SamplingParams(max_new_tokens=6, temperature=1.0)])[0]
+    recomputed = policy.logprobs([PROMPT + completion.token_ids], [[0] * len(PROMPT) + [1] * 6])[0][len(PROMPT):]
+    torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(recomputed), atol=1e-5, rtol=0)
+
+
+def make_trajectory(reward: float, pieces: list[tuple[int, bool]]) -> Trajectory:
+    """pieces: (number of tokens, trainable) runs, ids 10, 11, ..."""
+    traj = Trajectory(task_id="t", group_id="g")
+    for n, trainable in pieces:
+        start = len(traj.token_ids) + 10
+        traj.append(list(range(start, start + n)), trainable=trainable, logprobs=[-0.5] * n if trainable else None)
+    traj.reward = reward
+    return traj
+
+
+def test_outcome_advantages_with_kl_to_go():
+    trajectories = [make_trajectory(1.0, [(2, False), (2, True)]), make_trajectory(0.0, [(2, False), (2, True)])]
+    algo = AlgorithmConfig(advantage="dr_grpo", kl_coef=0.5)
+    assert outcome_advantages(trajectories, 2, algo) == [[0, 0, 0.5, 0.5], [0, 0, -0.5, -0.5]]
+    kl = [[9.0, 9.0, 0.2, 0.4], [9.0, 9.0, 0.0, 0.0]]  # KL on masked tokens is ignored
+    got = outcome_advantages(trajectories, 2, algo, kl)
+    # token 3: 0.5 - 0.5*0.4 = 0.3; token 2: 0.5 - 0.5*(0.2 + 0.4) = 0.2
+    assert got[0] == pytest.approx([0, 0, 0.2, 0.3]) and got[1] == [0, 0, -0.5, -0.5]
+
+
+def test_gae_targets_by_hand():
+    # prompt(2) agent(2) tool(2) agent(1): reward 1 on the last agent token
+    traj = make_trajectory(1.0, [(2, False), (2, True), (2, False), (1, True)])
+    algo = AlgorithmConfig(advantage="gae", gamma=1.0, lam=0.5)
+    assert token_rewards([traj], algo) == [[0, 0, 0, 0, 0, 0, 1.0]]
+    values = [[0, 0, 0.1, 0.2, 0, 0, 0.4]]
+    _, returns = gae_targets([traj], values, algo)
+    # deltas: t6 = 1 - 0.4 = 0.6; t3 = 0 + 0.4 - 0.2 = 0.2; t2 = 0.2 - 0.1 = 0.1
+    # advantages: A6 = 0.6, A3 = 0.2 + 0.5*0.6 = 0.5, A2 = 0.1 + 0.5*0.5 = 0.35; returns = A + V
+    assert returns[0] == pytest.approx([0, 0, 0.45, 0.7, 0, 0, 1.0])
+    advantages, _ = gae_targets([traj], values, algo)
+    raw = torch.tensor([0.35, 0.5, 0.6])
+    whitened = (raw - raw.mean()) / raw.std(unbiased=False)
+    assert [advantages[0][t] for t in (2, 3, 6)] == pytest.approx(whitened.tolist(), abs=1e-5)
+    assert [advantages[0][t] for t in (0, 1, 4, 5)] == [0, 0, 0, 0]
+
+
+def test_critic_starts_at_zero_learns_returns_and_round_trips(tmp_path):
+    critic = CriticWorker(ValueModel.from_policy(make_tiny_llama()), 2, lr=1e-2, value_clip=None)
+    assert critic.values([SEQUENCE], [MASK])[0] == [0.0] * len(SEQUENCE)  # zero head: values start at 0
+    returns = [[1.0 * m for m in MASK]]
+    losses = []
+    for _ in range(20):
+        losses.append(critic.update([SEQUENCE], [MASK], returns, critic.values([SEQUENCE], [MASK]))["value_loss"])
+    assert losses[0] == pytest.approx(0.5)  # 0.5 * (0 - 1)^2 on every trainable token
+    assert losses[-1] < 0.05
+    values = critic.values([SEQUENCE], [MASK])[0]
+    assert all(v == 0.0 for v, m in zip(values, MASK) if not m)
+    critic.model.save(tmp_path / "critic")
+    assert CriticWorker(ValueModel.load(tmp_path / "critic"), 2, lr=1e-2, value_clip=None).values(
+        [SEQUENCE], [MASK])[0] == pytest.approx(values, abs=1e-6)
+
+
+def test_value_clip_limits_the_critic_step():
+    old = [[0.0] * len(SEQUENCE)]
+    returns = [[5.0 * m for m in MASK]]
+    clipped = CriticWorker(ValueModel.from_policy(make_tiny_llama()), 2, lr=1e-2, value_clip=0.01)
+    free = CriticWorker(ValueModel.from_policy(make_tiny_llama()), 2, lr=1e-2, value_clip=None)
+    for _ in range(5):  # the clipped loss keeps measuring against v_old ± 0.01: no gradient once outside
+        clipped.update([SEQUENCE], [MASK], returns, old)
+        free.update([SEQUENCE], [MASK], returns, old)
+    clipped_mean = sum(clipped.values([SEQUENCE], [MASK])[0]) / sum(MASK)
+    free_mean = sum(free.values([SEQUENCE], [MASK])[0]) / sum(MASK)
+    assert 0 < clipped_mean < free_mean
+
+
+REWARD_PLUGIN = '''
+from agentrl.env.rewards import final_answer_text
+
+
+def length_parity(task, messages):
+    """1.0 when the final reply has an even number of characters: random replies give mixed rewards."""
+    return float(len(final_answer_text(messages)) % 2 == 0)
+'''
+
+REQUIRED_METRICS = {
+    "reward_mean", "reward_std", "accuracy", "tool_call_rate", "parse_error_rate", "mean_turns", "response_tokens",
+    "loss", "clip_fraction", "approx_kl", "kl_ref", "entropy", "grad_norm", "lr", "time_rollout_s", "time_logprobs_s",
+    "time_update_s", "time_sync_s", "tokens_per_s", "weight_version", "rollout_logprob_diff"}
+
+
+def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
+    (tmp_path / "e2e_rewards.py").write_text(REWARD_PLUGIN)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
+         "model.dtype=float32", f"output_dir={out}", "reward.function=e2e_rewards:length_parity",
+         "rollout.group_size=4", "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=8", "trainer.steps=2",
+         "trainer.tasks_per_step=2", "trainer.lr=1e-3", "trainer.bf16_autocast=false", "algorithm.kl_coef=0.01",
+         "trainer.save_every=1"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and [r["weight_version"] for r in rows] == [1, 2]
+    for row in rows:
+        assert REQUIRED_METRICS <= set(row), REQUIRED_METRICS - set(row)
+        assert 0 < row["reward_mean"] < 1 and row["grad_norm"] > 0
+        # The engine sampled step 2 with the weights synced after step 1: logprobs agree to fp32 noise.
+        assert row["rollout_logprob_diff"] < 1e-4
+    assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl_ref"] > 1e-6
+    assert "train" in done.stdout and f"saved {out / 'final'}" in done.stdout
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    step_1 = AutoModelForCausalLM.from_pretrained(out / "step_1")
+    weights = lambda m: m.model.embed_tokens.weight  # noqa: E731
+    assert not torch.equal(weights(final), weights(start)) and not torch.equal(weights(final), weights(step_1))
+
+
+def test_ppo_with_critic_runs_and_saves_the_critic(tmp_path, tiny_model_dir, monkeypatch):
+    from agentrl.train import train
+
+    (tmp_path / "e2e_rewards.py").write_text(REWARD_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = tmp_path / "ppo.yaml"
+    recipe.write_text(textwrap.dedent(f"""
+        model: {{path: {tiny_model_dir}}}
+        output_dir: {tmp_path / 'run'}
+        data: {{source: arithmetic, num_tasks: 4}}
+        reward: {{function: "e2e_rewards:length_parity"}}
+        rollout: {{group_size: 2, max_turns: 1, max_new_tokens_per_turn: 6}}
+        algorithm: {{advantage: gae, lam: 0.9}}
+        critic: {{lr: 1.0e-3}}
+        trainer: {{steps: 2, tasks_per_step: 2, lr: 1.0e-3, ppo_epochs: 2, mini_batches: 2}}
+    """))
+    history = train(load_recipe(recipe))
+    assert len(history) == 2 and all(h["value_loss"] > 0 and h["critic_grad_norm"] > 0 for h in history)
+    critic = ValueModel.load(tmp_path / "run" / "critic")
+    assert critic.head.weight.abs().sum() > 0  # the zero-initialised head was trained
