@@ -119,6 +119,7 @@ class TrainerConfig(_Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass.")
     micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward/backward.")
     bf16_autocast: bool = Field(False, description="Run training forward passes under bfloat16 autocast.")
+    device: str = Field("cpu", description="Torch device of the policy, reference and critic models.")
     save_every: int = Field(0, ge=0, description="Save a model directory every N steps (0: only at the end).")
 
 

@@ -45,17 +45,18 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
     runner, pool = build_runner(config)
     engine, tokenizer = runner.engine, runner.renderer.tokenizer
     policy = PolicyWorker(
-        load_model(config.model.path), tokenizer.pad_token_id, lr=t.lr, temperature=r.temperature,
+        load_model(config.model.path).to(t.device), tokenizer.pad_token_id, lr=t.lr, temperature=r.temperature,
         weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
         mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens, clip_low=a.clip_low,
         clip_high=a.clip_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
         kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
         bf16_autocast=t.bf16_autocast, seed=config.seed)
-    reference = (ReferenceWorker(load_model(config.model.path), tokenizer.pad_token_id, r.temperature,
+    reference = (ReferenceWorker(load_model(config.model.path).to(t.device), tokenizer.pad_token_id, r.temperature,
                                  t.micro_batch_tokens) if a.kl_coef > 0 else None)
     critic = None
     if a.advantage == "gae":
-        value_model = ValueModel.load(config.critic.path) if config.critic.path else ValueModel.from_policy(policy.model)
+        value_model = (ValueModel.load(config.critic.path).to(t.device) if config.critic.path
+                       else ValueModel.from_policy(policy.model))
         critic = CriticWorker(value_model, tokenizer.pad_token_id, lr=config.critic.lr,
                               value_clip=config.critic.value_clip, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
                               mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens,
@@ -117,5 +118,6 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
     save_model(policy.model, tokenizer, run_dir / "final")
     if critic is not None:
         critic.model.save(run_dir / "critic")
+    print("reward by step: " + " ".join(f"{h['reward_mean']:.2f}" for h in history))
     print(f"saved {run_dir / 'final'}; metrics in {run_dir / 'metrics.jsonl'}")
     return history

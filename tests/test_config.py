@@ -60,3 +60,15 @@ def test_readme_recipe_reference_matches_schema():
     readme = Path("README.md").read_text()
     block = readme.split("<!-- recipe-reference:start -->\n")[1].split("\n<!-- recipe-reference:end -->")[0]
     assert block == reference_markdown(), "README recipe reference is stale: run python -m agentrl.config"
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval"])
+def test_training_commands_reject_a_bad_key_before_any_model_code(command):
+    probe = ("import sys; from agentrl.cli import main; rc = main(sys.argv[1:]); "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", probe, command, "recipes/quickstart.yaml", "trainer.bogus_key=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "agentrl: error: recipes/quickstart.yaml: unknown key 'trainer.bogus_key'"]
+    assert done.stdout.strip() == "[]"  # neither torch nor transformers was even imported
