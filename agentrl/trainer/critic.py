@@ -12,6 +12,7 @@ started from a trained one with `critic.path`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 from pathlib import Path
 
@@ -19,8 +20,7 @@ import torch
 from transformers import AutoModel
 
 from agentrl.algos.losses import value_loss
-from agentrl.trainer.logprobs import PaddedBatch, pack_micro_batches, pad_sequences
-from agentrl.trainer.policy import _pad_values
+from agentrl.trainer.logprobs import PaddedBatch, pack_micro_batches, pad_sequences, pad_values
 
 
 class ValueModel(torch.nn.Module):
@@ -34,8 +34,6 @@ class ValueModel(torch.nn.Module):
     @classmethod
     def from_policy(cls, causal_lm: torch.nn.Module) -> "ValueModel":
         """A critic initialised from the policy's transformer (the policy itself is not shared)."""
-        import copy
-
         return cls(copy.deepcopy(causal_lm.get_decoder()))
 
     @classmethod
@@ -110,8 +108,8 @@ class CriticWorker:
                     width = batch.ids_BT.shape[1]
                     with self._autocast():
                         values_BT = self.model(batch)
-                    loss = value_loss(values_BT, _pad_values([old_values[i] for i in idx], width, self.device),
-                                      _pad_values([returns[i] for i in idx], width, self.device), batch.mask_BT,
+                    loss = value_loss(values_BT, pad_values([old_values[i] for i in idx], width, self.device),
+                                      pad_values([returns[i] for i in idx], width, self.device), batch.mask_BT,
                                       self.value_clip) * (batch.num_tokens / total)
                     loss.backward()
                     totals["value_loss"] += loss.item()

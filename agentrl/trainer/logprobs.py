@@ -43,6 +43,14 @@ def pad_sequences(sequences: list[list[int]], masks: list[list[int]], pad_id: in
     return PaddedBatch(ids_BT.to(device), attention_BT.to(device), mask_BT.to(device))
 
 
+def pad_values(rows: list[list[float]], width: int, device: torch.device | str) -> torch.Tensor:
+    """Per-token float rows (logprobs, advantages, values) right-padded with 0 to `width`."""
+    out = torch.zeros((len(rows), width), dtype=torch.float)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float)
+    return out.to(device)
+
+
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Indices grouped so that rows × longest row ≤ token_budget (a single long row always fits)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])

@@ -15,14 +15,7 @@ from typing import Iterator
 import torch
 
 from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
-from agentrl.trainer.logprobs import pack_micro_batches, pad_sequences, token_logprobs
-
-
-def _pad_values(rows: list[list[float]], width: int, device: torch.device | str) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.float)
-    return out.to(device)
+from agentrl.trainer.logprobs import pack_micro_batches, pad_sequences, pad_values, token_logprobs
 
 
 class ReferenceWorker:
@@ -131,11 +124,11 @@ class PolicyWorker:
             width = batch.ids_BT.shape[1]
             with self._autocast():
                 logprobs_BT, entropy_BT = token_logprobs(self.model, batch, self.temperature)
-            old_BT = (_pad_values([old_logprobs[i] for i in idx], width, self.device) if old_logprobs is not None
+            old_BT = (pad_values([old_logprobs[i] for i in idx], width, self.device) if old_logprobs is not None
                       else logprobs_BT.detach())
-            advantages_BT = _pad_values([advantages[i] for i in idx], width, self.device)
+            advantages_BT = pad_values([advantages[i] for i in idx], width, self.device)
             if rollout_logprobs is not None:  # always token-mean: a per-token precision figure
-                rollout_BT = _pad_values([rollout_logprobs[i] for i in idx], width, self.device)
+                rollout_BT = pad_values([rollout_logprobs[i] for i in idx], width, self.device)
                 gap = ((old_BT - rollout_BT).abs() * batch.mask_BT).sum().item()
                 metrics["rollout_logprob_diff"] += gap / max(sum(sum(masks[i][1:]) for i in mini), 1)
             part = (batch.num_tokens if token_mean else int((batch.mask_BT.sum(1) > 0).sum())) / max(total, 1)
@@ -145,7 +138,7 @@ class PolicyWorker:
             if self.entropy_coef:
                 loss = loss - self.entropy_coef * entropy * part
             if ref_logprobs is not None:
-                ref_BT = _pad_values([ref_logprobs[i] for i in idx], width, self.device)
+                ref_BT = pad_values([ref_logprobs[i] for i in idx], width, self.device)
                 kl = aggregate(kl_estimate(logprobs_BT, ref_BT, self.kl_estimator), batch.mask_BT,
                                self.clip["aggregation"])
                 if self.kl_coef:
