@@ -120,7 +120,9 @@ class TrainerConfig(_Section):
     micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward/backward.")
     bf16_autocast: bool = Field(False, description="Run training forward passes under bfloat16 autocast.")
     device: str = Field("cpu", description="Torch device of the policy, reference and critic models.")
-    save_every: int = Field(0, ge=0, description="Save a model directory every N steps (0: only at the end).")
+    save_every: int = Field(0, ge=0, description="Every N steps save step_N/ (a model directory) and checkpoint/ "
+                                                 "(resumable state); 0: only final/ at the end.")
+    resume: bool = Field(False, description="Continue from <output_dir>/checkpoint when it exists.")
 
 
 class CriticConfig(_Section):

@@ -24,6 +24,7 @@ from agentrl.config import RecipeConfig, to_yaml
 from agentrl.models import load_model
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.run import build_runner
+from agentrl.trainer.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.trainer.returns import gae_targets, outcome_advantages
@@ -64,8 +65,15 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     history: list[dict[str, float]] = []
-    bar = tqdm(range(1, t.steps + 1), desc="train", file=sys.stdout, dynamic_ncols=True)
+    done = 0  # completed steps; the step number is also the data cursor
+    if t.resume and (run_dir / "checkpoint" / STATE_FILE).exists():
+        done, history = load_checkpoint(run_dir / "checkpoint", policy, critic)
+        engine.update_weights(policy.named_weights(), version=done, flush_cache=True)
+        print(f"resumed from {run_dir / 'checkpoint'} after step {done}")
+    bar = tqdm(range(done + 1, t.steps + 1), desc="train", file=sys.stdout, dynamic_ncols=True, initial=done,
+               total=t.steps)
     with open(run_dir / "metrics.jsonl", "w") as log:
+        log.writelines(json.dumps(record) + "\n" for record in history)
         for step in bar:
             tasks = [pool[i % len(pool)] for i in range((step - 1) * t.tasks_per_step, step * t.tasks_per_step)]
             clock = time.perf_counter()
@@ -115,6 +123,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
                             loss=f"{record['loss']:.4f}", kl=f"{record['approx_kl']:.4f}")
             if t.save_every and step % t.save_every == 0:
                 save_model(policy.model, tokenizer, run_dir / f"step_{step}")
+                save_checkpoint(run_dir / "checkpoint", step, policy, critic, history)
     save_model(policy.model, tokenizer, run_dir / "final")
     if critic is not None:
         critic.model.save(run_dir / "critic")

@@ -217,3 +217,29 @@ def test_ppo_with_critic_runs_and_saves_the_critic(tmp_path, tiny_model_dir, mon
     assert len(history) == 2 and all(h["value_loss"] > 0 and h["critic_grad_norm"] > 0 for h in history)
     critic = ValueModel.load(tmp_path / "run" / "critic")
     assert critic.head.weight.abs().sum() > 0  # the zero-initialised head was trained
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from agentrl.train import train
+
+    (tmp_path / "e2e_rewards.py").write_text(REWARD_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(textwrap.dedent(f"""
+        model: {{path: {tiny_model_dir}}}
+        output_dir: {tmp_path / 'run'}
+        reward: {{function: "e2e_rewards:length_parity"}}
+        rollout: {{group_size: 4, max_turns: 1, max_new_tokens_per_turn: 6}}
+        trainer: {{steps: 1, tasks_per_step: 2, lr: 1.0e-3, warmup_steps: 4, save_every: 1}}
+    """))
+    first = train(load_recipe(recipe))
+    resumed = train(load_recipe(recipe, ["trainer.steps=2", "trainer.resume=true"]))
+    assert f"resumed from {tmp_path / 'run' / 'checkpoint'} after step 1" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0] == first[0] and resumed[1] == rows[1]
+    # The warm-up schedule went on (2/4 of lr, not 1/4 again) and the engine sampled from the
+    # restored weights (a fresh engine holds the start model, far from the trained one).
+    assert rows[0]["lr"] == pytest.approx(0.25e-3) and rows[1]["lr"] == pytest.approx(0.5e-3)
+    assert rows[1]["weight_version"] == 2 and rows[1]["rollout_logprob_diff"] < 1e-4
+    state = torch.load(tmp_path / "run" / "checkpoint" / "state.pt", weights_only=False)
+    assert state["step"] == 2 and state["policy"]["optimizer"]["state"][0]["step"] == 2
