@@ -119,6 +119,8 @@ class TrainerConfig(_Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass.")
     micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward/backward.")
     bf16_autocast: bool = Field(False, description="Run training forward passes under bfloat16 autocast.")
+    activation_checkpointing: bool = Field(False, description="Recompute decoder activations in the backward "
+                                                            "pass: less memory per token, more compute.")
     device: str = Field("cpu", description="Torch device of the policy, reference and critic models.")
     save_every: int = Field(0, ge=0, description="Every N steps save step_N/ (a model directory) and checkpoint/ "
                                                  "(resumable state); 0: only final/ at the end.")

@@ -137,6 +137,11 @@ def load_model(name_or_path: str, dtype: str = "float32"):
     return model.eval()
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward pass (any transformers 5.x)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # the newer name
+    (enable or model.gradient_checkpointing_enable)()
+
 
 if __name__ == "__main__":  # `python -m agentrl.models NAME`: provision a builtin model ahead of use
     for builtin in sys.argv[1:] or list(BUILTIN_MODELS):

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import RecipeConfig, to_yaml
-from agentrl.models import load_model
+from agentrl.models import enable_activation_checkpointing, load_model
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.run import build_runner
 from agentrl.trainer.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint
@@ -54,10 +54,14 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
         bf16_autocast=t.bf16_autocast, seed=config.seed)
     reference = (ReferenceWorker(load_model(config.model.path).to(t.device), tokenizer.pad_token_id, r.temperature,
                                  t.micro_batch_tokens) if a.kl_coef > 0 else None)
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(policy.model)
     critic = None
     if a.advantage == "gae":
         value_model = (ValueModel.load(config.critic.path).to(t.device) if config.critic.path
                        else ValueModel.from_policy(policy.model))
+        if t.activation_checkpointing:
+            enable_activation_checkpointing(value_model.decoder)
         critic = CriticWorker(value_model, tokenizer.pad_token_id, lr=config.critic.lr,
                               value_clip=config.critic.value_clip, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
                               mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens,

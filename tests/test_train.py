@@ -243,3 +243,17 @@ def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model_dir, monkeypa
     assert rows[1]["weight_version"] == 2 and rows[1]["rollout_logprob_diff"] < 1e-4
     state = torch.load(tmp_path / "run" / "checkpoint" / "state.pt", weights_only=False)
     assert state["step"] == 2 and state["policy"]["optimizer"]["state"][0]["step"] == 2
+
+
+def test_activation_checkpointing_gives_the_same_update():
+    from agentrl.models import enable_activation_checkpointing
+
+    plain, recomputed = make_tiny_llama(), make_tiny_llama()
+    enable_activation_checkpointing(recomputed)
+    for model in (plain, recomputed):
+        PolicyWorker(model, 2, lr=1e-3, temperature=1.0).update([SEQUENCE], [MASK], [[m * 1.0 for m in MASK]])
+    layer = recomputed.model.layers[0]
+    assert layer.gradient_checkpointing and not plain.model.layers[0].gradient_checkpointing
+    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+    assert not torch.equal(plain.model.embed_tokens.weight, make_tiny_llama().model.embed_tokens.weight)
