@@ -1,7 +1,7 @@
 # make quickstart  SFT warm-up, GRPO, then held-out accuracy of the SFT and the RL model (CPU, ~15 min)
 # make test       set up .venv on a fresh machine (CPU torch first) and run the test suite
 # make rollout    run the small CPU rollout recipe with SmolLM2-135M-Instruct
-# make bench      run the benchmarks in bench/
+# make bench      run the benchmarks in bench/ (vs_trl.py sets up TRL in .venv-trl on first use)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -35,6 +35,7 @@ rollout: setup
 
 bench: setup
 	$(PY) bench/rollout_efficiency.py
+	$(PY) bench/vs_trl.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-trl runs .pytest_cache

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import RecipeConfig, to_yaml
+from agentrl.memory import release_freed_memory
 from agentrl.models import enable_activation_checkpointing, load_model
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.run import build_runner
@@ -87,6 +88,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
 
             clock = time.perf_counter()
             engine.release_memory()
+            release_freed_memory()
             sequences, masks = [tr.token_ids for tr in trajectories], [tr.loss_mask for tr in trajectories]
             old = None if policy.on_policy else policy.logprobs(sequences, masks)
             ref = reference.logprobs(sequences, masks) if reference else None
@@ -106,6 +108,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
                                    rollout_logprobs=[tr.logprobs for tr in trajectories])
             if critic is not None:
                 update |= critic.update(sequences, masks, returns, values)
+            release_freed_memory()
             times["time_update_s"] = time.perf_counter() - clock
 
             clock = time.perf_counter()
