@@ -29,6 +29,7 @@ from agentrl.trainer.checkpoint import STATE_FILE, load_checkpoint, save_checkpo
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.trainer.returns import gae_targets, outcome_advantages
+from agentrl.types import Trajectory
 
 
 def save_model(model: torch.nn.Module, tokenizer, path: Path) -> None:
@@ -41,19 +42,18 @@ def save_model(model: torch.nn.Module, tokenizer, path: Path) -> None:
     os.replace(staging, path)
 
 
-def train(config: RecipeConfig) -> list[dict[str, float]]:
-    print(to_yaml(config), file=sys.stderr)
+def build_workers(config: RecipeConfig, pad_id: int
+                  ) -> tuple[PolicyWorker, ReferenceWorker | None, CriticWorker | None]:
+    """The trained policy; a frozen reference when the KL is on; a critic for GAE."""
     t, a, r = config.trainer, config.algorithm, config.rollout
-    runner, pool = build_runner(config)
-    engine, tokenizer = runner.engine, runner.renderer.tokenizer
     policy = PolicyWorker(
-        load_model(config.model.path).to(t.device), tokenizer.pad_token_id, lr=t.lr, temperature=r.temperature,
+        load_model(config.model.path).to(t.device), pad_id, lr=t.lr, temperature=r.temperature,
         weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
         mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens, clip_low=a.clip_low,
         clip_high=a.clip_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
         kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
         bf16_autocast=t.bf16_autocast, seed=config.seed)
-    reference = (ReferenceWorker(load_model(config.model.path).to(t.device), tokenizer.pad_token_id, r.temperature,
+    reference = (ReferenceWorker(load_model(config.model.path).to(t.device), pad_id, r.temperature,
                                  t.micro_batch_tokens) if a.kl_coef > 0 else None)
     if t.activation_checkpointing:
         enable_activation_checkpointing(policy.model)
@@ -63,10 +63,31 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
                        else ValueModel.from_policy(policy.model))
         if t.activation_checkpointing:
             enable_activation_checkpointing(value_model.decoder)
-        critic = CriticWorker(value_model, tokenizer.pad_token_id, lr=config.critic.lr,
-                              value_clip=config.critic.value_clip, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
-                              mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens,
-                              bf16_autocast=t.bf16_autocast, seed=config.seed)
+        critic = CriticWorker(value_model, pad_id, lr=config.critic.lr, value_clip=config.critic.value_clip,
+                              grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
+                              micro_batch_tokens=t.micro_batch_tokens, bf16_autocast=t.bf16_autocast,
+                              seed=config.seed)
+    return policy, reference, critic
+
+
+def step_record(step: int, trajectories: list[Trajectory], rollout: dict[str, float], update: dict[str, float],
+                times: dict[str, float]) -> dict[str, float]:
+    """One metrics.jsonl line: rollout summary, update metrics, time split."""
+    rewards = torch.tensor([tr.reward or 0.0 for tr in trajectories])
+    return {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "accuracy": sum(tr.metrics.get("outcome_reward", 0.0) for tr in trajectories) / len(trajectories),
+            "response_tokens": rollout["tokens_generated"] / len(trajectories),
+            **{k: v for k, v in rollout.items() if k not in ("reward_mean", "wall_s")},
+            **update, **times, "weight_version": step,
+            "tokens_per_s": rollout["tokens_generated"] / sum(times.values())}
+
+
+def train(config: RecipeConfig) -> list[dict[str, float]]:
+    print(to_yaml(config), file=sys.stderr)
+    t, a, r = config.trainer, config.algorithm, config.rollout
+    runner, pool = build_runner(config)
+    engine, tokenizer = runner.engine, runner.renderer.tokenizer
+    policy, reference, critic = build_workers(config, tokenizer.pad_token_id)
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     history: list[dict[str, float]] = []
@@ -116,13 +137,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
             engine.update_weights(policy.named_weights(), version=step, flush_cache=True)
             times["time_sync_s"] = time.perf_counter() - clock
 
-            rewards = torch.tensor([tr.reward or 0.0 for tr in trajectories])
-            record = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-                      "accuracy": sum(tr.metrics.get("outcome_reward", 0.0) for tr in trajectories) / len(trajectories),
-                      "response_tokens": rollout["tokens_generated"] / len(trajectories),
-                      **{k: v for k, v in rollout.items() if k not in ("reward_mean", "wall_s")},
-                      **update, **times, "weight_version": step}
-            record["tokens_per_s"] = rollout["tokens_generated"] / sum(times.values())
+            record = step_record(step, trajectories, rollout, update, times)
             history.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
