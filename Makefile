@@ -1,4 +1,4 @@
-# make quickstart  SFT warm-up, GRPO, then held-out accuracy of the SFT and the RL model (CPU, ~15 min)
+# make quickstart  SFT warm-up, GRPO, then held-out accuracy of the SFT and the RL model (CPU, ~12 min)
 # make test       set up .venv on a fresh machine (CPU torch first) and run the test suite
 # make rollout    run the small CPU rollout recipe with SmolLM2-135M-Instruct
 # make bench      run the benchmarks in bench/ (vs_trl.py sets up TRL in .venv-trl on first use)
