@@ -109,7 +109,6 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
 
             clock = time.perf_counter()
             engine.release_memory()
-            release_freed_memory()
             sequences, masks = [tr.token_ids for tr in trajectories], [tr.loss_mask for tr in trajectories]
             old = None if policy.on_policy else policy.logprobs(sequences, masks)
             ref = reference.logprobs(sequences, masks) if reference else None
@@ -129,7 +128,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
                                    rollout_logprobs=[tr.logprobs for tr in trajectories])
             if critic is not None:
                 update |= critic.update(sequences, masks, returns, values)
-            release_freed_memory()
+            release_freed_memory()  # once a step, after the largest allocations (see agentrl/memory.py)
             times["time_update_s"] = time.perf_counter() - clock
 
             clock = time.perf_counter()

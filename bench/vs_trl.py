@@ -11,7 +11,7 @@ TRL runs in its own virtual environment (.venv-trl, created on first use with a 
 pins never touch the project's; this script re-runs itself there with --trl-worker. agentrl runs
 in this interpreter through its real driver (agentrl.train.train).
 
-Run: python bench/vs_trl.py [--steps 6]
+Run: python bench/vs_trl.py [--steps 8]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def run_agentrl(model_path: str, steps: int, output_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6, help="steps per side; the first is a warm-up")
+    parser.add_argument("--steps", type=int, default=8, help="steps per side; the first is a warm-up")
     parser.add_argument("--trl-venv", default=".venv-trl")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -72,3 +72,25 @@ def test_training_commands_reject_a_bad_key_before_any_model_code(command):
     assert done.stderr.splitlines() == [
         "agentrl: error: recipes/quickstart.yaml: unknown key 'trainer.bogus_key'"]
     assert done.stdout.strip() == "[]"  # neither torch nor transformers was even imported
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p) for p in __import__("pathlib").Path("recipes").glob("*.yaml")))
+def test_every_shipped_recipe_and_its_tool_files_load(recipe):
+    from agentrl.env.interaction import load_interaction
+    from agentrl.tools.loader import load_tool_files
+
+    config = load_recipe(recipe)
+    tools = load_tool_files(config.rollout.tool_configs)
+    assert tools or not config.rollout.tool_configs
+    if config.rollout.interaction_config:
+        load_interaction(config.rollout.interaction_config)
+
+
+def test_gsm8k_recipe_header_overrides_make_a_cpu_run():
+    header = [line.lstrip("#").strip().rstrip("\\").strip()
+              for line in open("recipes/gsm8k_tool.yaml") if line.startswith("#")]
+    start = next(i for i, line in enumerate(header) if line.startswith("agentrl train") and "model.path" in line)
+    words = " ".join(header[start:start + 4]).split()
+    config = load_recipe(words[2], words[3:])
+    assert config.model.path == "smollm2-135m-instruct" and config.engine.device == config.trainer.device == "cpu"
+    assert config.data.files == ["../shared/data/gsm8k/train.jsonl"] and config.trainer.steps == 2
