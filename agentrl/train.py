@@ -141,7 +141,8 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", tools=f"{record['tool_call_rate']:.2f}",
-                            loss=f"{record['loss']:.4f}", kl=f"{record['approx_kl']:.4f}")
+                            loss=f"{record['loss']:.4f}", kl_ref=f"{record['kl_ref']:.4f}",
+                            engine_gap=f"{record['rollout_logprob_diff']:.1e}")
             if t.save_every and step % t.save_every == 0:
                 save_model(policy.model, tokenizer, run_dir / f"step_{step}")
                 save_checkpoint(run_dir / "checkpoint", step, policy, critic, history)

@@ -197,41 +197,45 @@ def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
     assert not torch.equal(weights(final), weights(start)) and not torch.equal(weights(final), weights(step_1))
 
 
-def test_ppo_with_critic_runs_and_saves_the_critic(tmp_path, tiny_model_dir, monkeypatch):
-    from agentrl.train import train
-
+@pytest.fixture
+def tiny_recipe(tmp_path, tiny_model_dir, monkeypatch):
+    """Writes a recipe on the tiny model, output in tmp_path/run, with the length-parity reward
+    importable; the given YAML sections complete it."""
     (tmp_path / "e2e_rewards.py").write_text(REWARD_PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = tmp_path / "ppo.yaml"
-    recipe.write_text(textwrap.dedent(f"""
-        model: {{path: {tiny_model_dir}}}
-        output_dir: {tmp_path / 'run'}
-        data: {{source: arithmetic, num_tasks: 4}}
-        reward: {{function: "e2e_rewards:length_parity"}}
-        rollout: {{group_size: 2, max_turns: 1, max_new_tokens_per_turn: 6}}
-        algorithm: {{advantage: gae, lam: 0.9}}
-        critic: {{lr: 1.0e-3}}
-        trainer: {{steps: 2, tasks_per_step: 2, lr: 1.0e-3, ppo_epochs: 2, mini_batches: 2}}
-    """))
+
+    def write(sections: str):
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(f"model: {{path: {tiny_model_dir}}}\noutput_dir: {tmp_path / 'run'}\n"
+                          f"reward: {{function: 'e2e_rewards:length_parity'}}\n" + textwrap.dedent(sections))
+        return recipe
+
+    return write
+
+
+def test_ppo_with_critic_runs_and_saves_the_critic(tmp_path, tiny_recipe):
+    from agentrl.train import train
+
+    recipe = tiny_recipe("""
+        data: {source: arithmetic, num_tasks: 4}
+        rollout: {group_size: 2, max_turns: 1, max_new_tokens_per_turn: 6}
+        algorithm: {advantage: gae, lam: 0.9}
+        critic: {lr: 1.0e-3}
+        trainer: {steps: 2, tasks_per_step: 2, lr: 1.0e-3, ppo_epochs: 2, mini_batches: 2}
+    """)
     history = train(load_recipe(recipe))
     assert len(history) == 2 and all(h["value_loss"] > 0 and h["critic_grad_norm"] > 0 for h in history)
     critic = ValueModel.load(tmp_path / "run" / "critic")
     assert critic.head.weight.abs().sum() > 0  # the zero-initialised head was trained
 
 
-def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model_dir, monkeypatch, capsys):
+def test_resume_continues_from_the_checkpoint(tmp_path, tiny_recipe, capsys):
     from agentrl.train import train
 
-    (tmp_path / "e2e_rewards.py").write_text(REWARD_PLUGIN)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = tmp_path / "grpo.yaml"
-    recipe.write_text(textwrap.dedent(f"""
-        model: {{path: {tiny_model_dir}}}
-        output_dir: {tmp_path / 'run'}
-        reward: {{function: "e2e_rewards:length_parity"}}
-        rollout: {{group_size: 4, max_turns: 1, max_new_tokens_per_turn: 6}}
-        trainer: {{steps: 1, tasks_per_step: 2, lr: 1.0e-3, warmup_steps: 4, save_every: 1}}
-    """))
+    recipe = tiny_recipe("""
+        rollout: {group_size: 4, max_turns: 1, max_new_tokens_per_turn: 6}
+        trainer: {steps: 1, tasks_per_step: 2, lr: 1.0e-3, warmup_steps: 4, save_every: 1}
+    """)
     first = train(load_recipe(recipe))
     resumed = train(load_recipe(recipe, ["trainer.steps=2", "trainer.resume=true"]))
     assert f"resumed from {tmp_path / 'run' / 'checkpoint'} after step 1" in capsys.readouterr().out
