@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,21 +23,11 @@ from agentrl.memory import release_freed_memory
 from agentrl.models import enable_activation_checkpointing, load_model
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.run import build_runner
-from agentrl.trainer.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint
+from agentrl.trainer.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint, save_model
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.trainer.returns import gae_targets, outcome_advantages
 from agentrl.types import Trajectory
-
-
-def save_model(model: torch.nn.Module, tokenizer, path: Path) -> None:
-    """A save_pretrained directory, written beside the target and renamed into place."""
-    staging = path.with_name(path.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(staging, path)
 
 
 def build_workers(config: RecipeConfig, pad_id: int

@@ -11,7 +11,6 @@ started from a trained one with `critic.path`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from transformers import AutoModel
 
 from agentrl.algos.losses import value_loss
-from agentrl.trainer.logprobs import PaddedBatch, pack_micro_batches, pad_sequences, pad_values
+from agentrl.trainer.logprobs import PaddedBatch, mini_batch_schedule, pack_micro_batches, pad_sequences, pad_values
 
 
 class ValueModel(torch.nn.Module):
@@ -73,10 +72,8 @@ class CriticWorker:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         self.rng = random.Random(seed)
 
-    def _autocast(self):
-        if not self.bf16_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
 
     @torch.no_grad()
     def values(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
@@ -92,29 +89,22 @@ class CriticWorker:
     def update(self, sequences: list[list[int]], masks: list[list[int]], returns: list[list[float]],
                old_values: list[list[float]]) -> dict[str, float]:
         """Epochs over mini-batches of the clipped value loss (token mean over each mini-batch)."""
-        order = list(range(len(sequences)))
         totals = {"value_loss": 0.0, "critic_grad_norm": 0.0}
-        for _ in range(self.ppo_epochs):
-            self.rng.shuffle(order)
-            for mini in (order[i::self.mini_batches] for i in range(self.mini_batches)):
-                if not mini:
-                    continue
-                total = max(sum(sum(masks[i][1:]) for i in mini), 1)
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in pack_micro_batches([len(sequences[i]) for i in mini], self.micro_batch_tokens):
-                    idx = [mini[j] for j in micro]
-                    batch = pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], self.pad_id,
-                                          self.device)
-                    width = batch.ids_BT.shape[1]
-                    with self._autocast():
-                        values_BT = self.model(batch)
-                    loss = value_loss(values_BT, pad_values([old_values[i] for i in idx], width, self.device),
-                                      pad_values([returns[i] for i in idx], width, self.device), batch.mask_BT,
-                                      self.value_clip) * (batch.num_tokens / total)
-                    loss.backward()
-                    totals["value_loss"] += loss.item()
-                totals["critic_grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                                                   self.grad_clip))
-                self.optimizer.step()
+        for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
+            total = max(sum(sum(masks[i][1:]) for i in mini), 1)
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in pack_micro_batches([len(sequences[i]) for i in mini], self.micro_batch_tokens):
+                idx = [mini[j] for j in micro]
+                batch = pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], self.pad_id, self.device)
+                width = batch.ids_BT.shape[1]
+                with self._autocast():
+                    values_BT = self.model(batch)
+                loss = value_loss(values_BT, pad_values([old_values[i] for i in idx], width, self.device),
+                                  pad_values([returns[i] for i in idx], width, self.device), batch.mask_BT,
+                                  self.value_clip) * (batch.num_tokens / total)
+                loss.backward()
+                totals["value_loss"] += loss.item()
+            totals["critic_grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+            self.optimizer.step()
         passes = self.ppo_epochs * self.mini_batches
         return {key: value / passes for key, value in totals.items()}

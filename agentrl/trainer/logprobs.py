@@ -13,7 +13,9 @@ processing after the output head (soft-capping, scaling) are not covered by this
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -49,6 +51,16 @@ def pad_values(rows: list[list[float]], width: int, device: torch.device | str) 
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row, dtype=torch.float)
     return out.to(device)
+
+
+def mini_batch_schedule(rng: random.Random, size: int, epochs: int, mini_batches: int) -> Iterator[list[int]]:
+    """Indices of each optimizer step: every epoch reshuffles, then deals into `mini_batches` parts."""
+    order = list(range(size))
+    for _ in range(epochs):
+        rng.shuffle(order)
+        for part in (order[i::mini_batches] for i in range(mini_batches)):
+            if part:
+                yield part
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:

@@ -8,14 +8,14 @@ the loss equals the mini-batch loss exactly, clips the gradient norm and steps A
 
 from __future__ import annotations
 
-import contextlib
 import random
 from typing import Iterator
 
 import torch
 
 from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
-from agentrl.trainer.logprobs import pack_micro_batches, pad_sequences, pad_values, token_logprobs
+from agentrl.trainer.logprobs import (mini_batch_schedule, pack_micro_batches, pad_sequences, pad_values,
+                                      token_logprobs)
 
 
 class ReferenceWorker:
@@ -71,10 +71,8 @@ class PolicyWorker:
         """One pass over one mini-batch: the pre-update logprobs are those of the first forward."""
         return self.ppo_epochs == 1 and self.mini_batches == 1
 
-    def _autocast(self):
-        if not self.bf16_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
 
     def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
         with self._autocast():
@@ -96,14 +94,10 @@ class PolicyWorker:
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs")
         totals: dict[str, float] = {}
-        order = list(range(len(sequences)))
-        for _ in range(self.ppo_epochs):
-            self.rng.shuffle(order)
-            for mini in (order[i::self.mini_batches] for i in range(self.mini_batches)):
-                if mini:
-                    for key, value in self._mini_batch(mini, sequences, masks, advantages, old_logprobs,
-                                                       ref_logprobs, rollout_logprobs).items():
-                        totals[key] = totals.get(key, 0.0) + value
+        for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
+            for key, value in self._mini_batch(mini, sequences, masks, advantages, old_logprobs, ref_logprobs,
+                                               rollout_logprobs).items():
+                totals[key] = totals.get(key, 0.0) + value
         passes = self.ppo_epochs * self.mini_batches
         metrics = {key: value / passes for key, value in totals.items()}
         metrics["lr"] = self.scheduler.get_last_lr()[0]

@@ -75,6 +75,7 @@ def run_sft(config) -> str:
     from agentrl.config import to_yaml
     from agentrl.data import arithmetic_demonstrations, conversation_file
     from agentrl.models import load_model, load_tokenizer
+    from agentrl.trainer.checkpoint import save_model
     from agentrl.tools.loader import load_tool_files
 
     print(to_yaml(config), file=sys.stderr)
@@ -90,8 +91,7 @@ def run_sft(config) -> str:
     started = time.perf_counter()
     losses = sft_train(model, samples, tokenizer.pad_token_id, s.steps, s.batch_size, s.lr, s.seed,
                        s.bf16_autocast, on_step=lambda step, loss: print(f"sft step {step}/{s.steps} loss {loss:.4f}"))
-    model.save_pretrained(s.output)
-    tokenizer.save_pretrained(s.output)
+    save_model(model, tokenizer, s.output)
     if losses:
         print(f"sft: {len(samples)} conversations, {s.steps} steps in {time.perf_counter() - started:.0f} s, "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved {s.output}")
