@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModel
 
 from agentrl.algos.losses import value_loss
-from agentrl.trainer.logprobs import PaddedBatch, mini_batch_schedule, pack_micro_batches, pad_sequences, pad_values
+from agentrl.trainer.logprobs import PaddedBatch, mini_batch_schedule, pad_values, padded_micro_batches
 
 
 class ValueModel(torch.nn.Module):
@@ -78,8 +78,8 @@ class CriticWorker:
     @torch.no_grad()
     def values(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
         out: list[list[float]] = [[] for _ in sequences]
-        for idx in pack_micro_batches([len(s) for s in sequences], self.micro_batch_tokens):
-            batch = pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], self.pad_id, self.device)
+        for idx, batch in padded_micro_batches(list(range(len(sequences))), sequences, masks,
+                                               self.micro_batch_tokens, self.pad_id, self.device):
             with self._autocast():
                 values_BT = self.model(batch)
             for row, i in enumerate(idx):
@@ -93,9 +93,8 @@ class CriticWorker:
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
             total = max(sum(sum(masks[i][1:]) for i in mini), 1)
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in pack_micro_batches([len(sequences[i]) for i in mini], self.micro_batch_tokens):
-                idx = [mini[j] for j in micro]
-                batch = pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], self.pad_id, self.device)
+            for idx, batch in padded_micro_batches(mini, sequences, masks, self.micro_batch_tokens, self.pad_id,
+                                                   self.device):
                 width = batch.ids_BT.shape[1]
                 with self._autocast():
                     values_BT = self.model(batch)

@@ -78,6 +78,14 @@ def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return groups
 
 
+def padded_micro_batches(indices: list[int], sequences: list[list[int]], masks: list[list[int]], token_budget: int,
+                         pad_id: int, device: torch.device | str) -> Iterator[tuple[list[int], PaddedBatch]]:
+    """The chosen sequences packed by token budget and padded: (their indices, the batch)."""
+    for micro in pack_micro_batches([len(sequences[i]) for i in indices], token_budget):
+        idx = [indices[j] for j in micro]
+        yield idx, pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], pad_id, device)
+
+
 def _head_logprobs(head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     logits_NV = head(hidden_NH).float()

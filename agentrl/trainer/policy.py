@@ -14,8 +14,7 @@ from typing import Iterator
 import torch
 
 from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
-from agentrl.trainer.logprobs import (mini_batch_schedule, pack_micro_batches, pad_sequences, pad_values,
-                                      token_logprobs)
+from agentrl.trainer.logprobs import mini_batch_schedule, pad_values, padded_micro_batches, token_logprobs
 
 
 class ReferenceWorker:
@@ -36,8 +35,8 @@ def batched_logprobs(model: torch.nn.Module, sequences: list[list[int]], masks: 
     device = next(model.parameters()).device
     out: list[list[float]] = [[] for _ in sequences]
     with torch.no_grad():
-        for idx in pack_micro_batches([len(s) for s in sequences], micro_batch_tokens):
-            batch = pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], pad_id, device)
+        for idx, batch in padded_micro_batches(list(range(len(sequences))), sequences, masks, micro_batch_tokens,
+                                               pad_id, device):
             logprobs_BT, _ = token_logprobs(model, batch, temperature)
             for row, i in enumerate(idx):
                 out[i] = logprobs_BT[row, : len(sequences[i])].tolist()
@@ -112,9 +111,8 @@ class PolicyWorker:
         if rollout_logprobs is not None:
             metrics["rollout_logprob_diff"] = 0.0
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in pack_micro_batches([len(sequences[i]) for i in mini], self.micro_batch_tokens):
-            idx = [mini[j] for j in micro]
-            batch = pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], self.pad_id, self.device)
+        for idx, batch in padded_micro_batches(mini, sequences, masks, self.micro_batch_tokens, self.pad_id,
+                                               self.device):
             width = batch.ids_BT.shape[1]
             with self._autocast():
                 logprobs_BT, entropy_BT = token_logprobs(self.model, batch, self.temperature)
