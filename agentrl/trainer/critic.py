@@ -44,7 +44,7 @@ class ValueModel(torch.nn.Module):
             return model
         from agentrl.models import load_model  # a causal LM checkpoint: take its decoder, fresh head
 
-        return cls.from_policy(load_model(str(path)))
+        return cls(load_model(str(path)).get_decoder())
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
