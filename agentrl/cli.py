@@ -1,4 +1,5 @@
-"""`agentrl <command>`: parse arguments, call one function, turn ConfigError into one line + exit 2."""
+"""`agentrl <command>`: parse arguments, call one function; a ConfigError becomes one line and exit
+status 2 (nothing ran), a RunFailed one line and exit status 1 (the run stopped)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import json
 import sys
 
-from agentrl.errors import ConfigError
+from agentrl.errors import ConfigError, RunFailed
 
 
 # command → (module, function taking a RecipeConfig); imported only when that command runs
@@ -24,7 +25,8 @@ def _recipe_command(args: argparse.Namespace) -> int:
     from agentrl.config import load_recipe
 
     module, function, _ = RECIPE_COMMANDS[args.command]
-    config = load_recipe(args.recipe, args.overrides)  # a bad recipe stops before any heavy import
+    # a bad recipe stops before any heavy import
+    config = load_recipe(args.recipe, args.overrides, for_training=args.command == "train")
     getattr(importlib.import_module(module), function)(config)
     return 0
 
@@ -71,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"agentrl: error: {e}", file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"agentrl: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -125,6 +125,9 @@ class TrainerConfig(_Section):
     save_every: int = Field(0, ge=0, description="Every N steps save step_N/ (a model directory) and checkpoint/ "
                                                  "(resumable state); 0: only final/ at the end.")
     resume: bool = Field(False, description="Continue from <output_dir>/checkpoint when it exists.")
+    max_failed_fraction: float = Field(0.25, ge=0, le=1, description="Stop the run when more than this share of a "
+                                                                     "step's episodes fail (engine, reward or "
+                                                                     "interaction errors).")
 
 
 class CriticConfig(_Section):
@@ -171,6 +174,24 @@ class RecipeConfig(_Section):
         return self
 
 
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+
+
+def check_training(config: RecipeConfig) -> None:
+    """Settings that load but cannot train: one ConfigError naming the keys. `agentrl train` runs
+    this when the recipe loads; `rollout` and `eval` do not need it (they do not learn)."""
+    a, r, t = config.algorithm, config.rollout, config.trainer
+    if a.advantage in GROUP_ESTIMATORS and r.group_size < 2:
+        raise ConfigError(f"algorithm.advantage '{a.advantage}' compares the episodes of a task with each other: "
+                          f"rollout.group_size must be at least 2 (got {r.group_size})")
+    episodes = r.group_size * t.tasks_per_step
+    if t.mini_batches > episodes:
+        raise ConfigError(f"trainer.mini_batches ({t.mini_batches}) is more than the episodes of a step "
+                          f"(rollout.group_size × trainer.tasks_per_step = {episodes})")
+    if a.kl_in_reward and a.kl_coef == 0:
+        raise ConfigError("algorithm.kl_in_reward needs algorithm.kl_coef > 0")
+
+
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Set `a.b.c=value` in nested dicts; the value is parsed as YAML ('3' → 3, '[a]' → list)."""
     key, sep, raw = override.partition("=")
@@ -186,8 +207,9 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
-    """Recipe file + overrides → validated config, or a one-line ConfigError."""
+def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training: bool = False) -> RecipeConfig:
+    """Recipe file + overrides → validated config, or a one-line ConfigError (naming the file).
+    With `for_training`, combinations that cannot train are rejected too (check_training)."""
     data: dict[str, Any] = {}
     source = str(path) if path else "<defaults>"
     if path is not None:
@@ -202,9 +224,15 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
     for override in overrides:
         apply_override(data, override)
     try:
-        return RecipeConfig.model_validate(data)
+        config = RecipeConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"{source}: {describe_error(e)}") from None
+    if for_training:
+        try:
+            check_training(config)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    return config
 
 
 def describe_error(e: ValidationError) -> str:

@@ -46,21 +46,28 @@ def _number(rng: random.Random, digits: int) -> int:
 
 
 def dataset_tasks(source: str, files: list[str], split: str, prompt_key: str, answer_key: str | None,
-                  id_key: str | None = None, limit: int | None = None) -> list[Task]:
-    """Rows of a jsonl/json/parquet/csv file set, or of a hub dataset id, as Tasks."""
+                  id_key: str | None = None, limit: int | None = None, files_key: str = "data.files") -> list[Task]:
+    """Rows of a jsonl/json/parquet/csv file set, or of a hub dataset id, as Tasks; problems with the
+    files are ConfigErrors naming `files_key`, the recipe key that lists them."""
     import datasets
 
     if source == "files":
         if not files:
-            raise ConfigError("data.files: source 'files' needs at least one file")
+            raise ConfigError(f"{files_key}: source 'files' needs at least one file")
         for f in files:
             if not Path(f).is_file():
-                raise ConfigError(f"data.files: '{f}' not found")
+                raise ConfigError(f"{files_key}: '{f}' not found")
         suffix = Path(files[0]).suffix.lstrip(".")
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(suffix)
         if builder is None:
-            raise ConfigError(f"data.files: '{files[0]}' is not .jsonl, .json, .parquet or .csv")
-        ds = datasets.load_dataset(builder, data_files=files, split="train")
+            raise ConfigError(f"{files_key}: '{files[0]}' is not .jsonl, .json, .parquet or .csv")
+        if all(Path(f).stat().st_size == 0 for f in files):
+            return []  # datasets cannot even infer a schema from empty files
+        try:
+            ds = datasets.load_dataset(builder, data_files=files, split="train")
+        except Exception as e:  # a malformed file: name it, without datasets' traceback
+            raise ConfigError(f"{files_key}: cannot read {files} ({type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0]})") from None
     else:
         try:
             ds = datasets.load_dataset(source, split=split)

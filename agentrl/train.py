@@ -8,25 +8,26 @@ plain objects in this process (trainer.backend 'local').
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from agentrl.algos.losses import kl_estimate
-from agentrl.config import RecipeConfig, to_yaml
+from agentrl.config import AlgorithmConfig, RecipeConfig, check_training, to_yaml
+from agentrl.errors import RunFailed
 from agentrl.memory import release_freed_memory
 from agentrl.models import enable_activation_checkpointing, load_model
-from agentrl.rollout.collect import collect, summarize
+from agentrl.rollout.collect import run_episodes, summarize, write_jsonl
 from agentrl.rollout.run import build_runner
 from agentrl.trainer.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint, save_model
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
-from agentrl.trainer.returns import gae_targets, outcome_advantages
+from agentrl.trainer.returns import gae_targets, outcome_advantages, token_advantages
 from agentrl.types import Trajectory
 
 
@@ -59,18 +60,65 @@ def build_workers(config: RecipeConfig, pad_id: int
 
 
 def step_record(step: int, trajectories: list[Trajectory], rollout: dict[str, float], update: dict[str, float],
-                times: dict[str, float]) -> dict[str, float]:
-    """One metrics.jsonl line: rollout summary, update metrics, time split."""
-    rewards = torch.tensor([tr.reward or 0.0 for tr in trajectories])
-    return {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-            "accuracy": sum(tr.metrics.get("outcome_reward", 0.0) for tr in trajectories) / len(trajectories),
+                times: dict[str, float], synced_version: int) -> dict[str, float]:
+    """One metrics.jsonl line: rollout summary, update metrics, time split, weight versions.
+    `weight_version` is the oldest version the engine reported for this step's samples;
+    `synced_version` the one it holds after this step's sync."""
+    ok = [tr for tr in trajectories if tr.finish != "error"]
+    rewards = torch.tensor([tr.reward for tr in ok] or [0.0])
+    return {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if len(ok) > 1 else 0.0,
+            "accuracy": sum(tr.metrics.get("outcome_reward", 0.0) for tr in ok) / max(len(ok), 1),
             "response_tokens": rollout["tokens_generated"] / len(trajectories),
             **{k: v for k, v in rollout.items() if k not in ("reward_mean", "wall_s")},
-            **update, **times, "weight_version": step,
-            "tokens_per_s": rollout["tokens_generated"] / sum(times.values())}
+            **update, **times, "weight_version": min(tr.weight_version for tr in trajectories),
+            "synced_version": synced_version, "tokens_per_s": rollout["tokens_generated"] / sum(times.values())}
+
+
+def check_failures(step: int, trajectories: list[Trajectory], max_fraction: float) -> None:
+    """Stop the run, naming the most common causes, when too many of a step's episodes failed."""
+    failed = [tr for tr in trajectories if tr.finish == "error"]
+    if len(failed) > max_fraction * len(trajectories):
+        causes = "; ".join(f"{error} ({count}x)" for error, count in Counter(tr.error for tr in failed).most_common(3))
+        raise RunFailed(f"step {step}: {len(failed)} of {len(trajectories)} episodes failed (more than "
+                        f"trainer.max_failed_fraction {max_fraction:g}): {causes}")
+
+
+def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, policy: PolicyWorker,
+          reference: ReferenceWorker | None, critic: CriticWorker | None, times: dict[str, float]) -> dict[str, float]:
+    """Old and reference logprobs, advantages, and the policy (and critic) update, on the episodes
+    that did not fail; returns the update's metrics and adds the time split to `times`."""
+    clock = time.perf_counter()
+    per_sequence = outcome_advantages(trajectories, group_size, a) if critic is None else None
+    trained = [tr for tr in trajectories if tr.finish != "error"]
+    if not trained:  # every episode failed and trainer.max_failed_fraction allowed it: nothing to learn
+        times.update(time_logprobs_s=0.0, time_update_s=0.0)
+        return {}
+    sequences, masks = [tr.token_ids for tr in trained], [tr.loss_mask for tr in trained]
+    old = None if policy.on_policy else policy.logprobs(sequences, masks)
+    ref = reference.logprobs(sequences, masks) if reference else None
+    kl = None
+    if ref is not None and a.kl_in_reward:
+        base = old or policy.logprobs(sequences, masks)
+        kl = [kl_estimate(torch.tensor(p), torch.tensor(q), a.kl_estimator).tolist() for p, q in zip(base, ref)]
+    if critic is not None:
+        values = critic.values(sequences, masks)
+        advantages, returns = gae_targets(trained, values, a, kl)
+    else:
+        advantages = token_advantages(trained, [x for x in per_sequence if x is not None], a, kl)
+    times["time_logprobs_s"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    update = policy.update(sequences, masks, advantages, old, None if a.kl_in_reward else ref,
+                           rollout_logprobs=[tr.logprobs for tr in trained])
+    if critic is not None:
+        update |= critic.update(sequences, masks, returns, values)
+    release_freed_memory()  # once a step, after the largest allocations (see agentrl/memory.py)
+    times["time_update_s"] = time.perf_counter() - clock
+    return update
 
 
 def train(config: RecipeConfig) -> list[dict[str, float]]:
+    check_training(config)
     print(to_yaml(config), file=sys.stderr)
     t, a, r = config.trainer, config.algorithm, config.rollout
     runner, pool = build_runner(config)
@@ -91,46 +139,27 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
         for step in bar:
             tasks = [pool[i % len(pool)] for i in range((step - 1) * t.tasks_per_step, step * t.tasks_per_step)]
             clock = time.perf_counter()
-            trajectories = asyncio.run(collect(runner, tasks, r.group_size, r.max_concurrent_episodes))
+            trajectories = run_episodes(runner, tasks, r.group_size, r.max_concurrent_episodes)
             rollout = summarize(trajectories, time.perf_counter() - clock)
             times = {"time_rollout_s": time.perf_counter() - clock}
+            write_jsonl(trajectories, run_dir / "trajectories" / f"step_{step}.jsonl", step=step)
+            check_failures(step, trajectories, t.max_failed_fraction)
 
-            clock = time.perf_counter()
             engine.release_memory()
-            sequences, masks = [tr.token_ids for tr in trajectories], [tr.loss_mask for tr in trajectories]
-            old = None if policy.on_policy else policy.logprobs(sequences, masks)
-            ref = reference.logprobs(sequences, masks) if reference else None
-            kl = None
-            if ref is not None and a.kl_in_reward:
-                base = old or policy.logprobs(sequences, masks)
-                kl = [kl_estimate(torch.tensor(p), torch.tensor(q), a.kl_estimator).tolist() for p, q in zip(base, ref)]
-            if critic is not None:
-                values = critic.values(sequences, masks)
-                advantages, returns = gae_targets(trajectories, values, a, kl)
-            else:
-                advantages = outcome_advantages(trajectories, r.group_size, a, kl)
-            times["time_logprobs_s"] = time.perf_counter() - clock
-
-            clock = time.perf_counter()
-            update = policy.update(sequences, masks, advantages, old, None if a.kl_in_reward else ref,
-                                   rollout_logprobs=[tr.logprobs for tr in trajectories])
-            if critic is not None:
-                update |= critic.update(sequences, masks, returns, values)
-            release_freed_memory()  # once a step, after the largest allocations (see agentrl/memory.py)
-            times["time_update_s"] = time.perf_counter() - clock
+            update = learn(trajectories, r.group_size, a, policy, reference, critic, times)
 
             clock = time.perf_counter()
             engine.resume_memory()
             engine.update_weights(policy.named_weights(), version=step, flush_cache=True)
             times["time_sync_s"] = time.perf_counter() - clock
 
-            record = step_record(step, trajectories, rollout, update, times)
+            record = step_record(step, trajectories, rollout, update, times, engine.weight_version)
             history.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", tools=f"{record['tool_call_rate']:.2f}",
-                            loss=f"{record['loss']:.4f}", kl_ref=f"{record['kl_ref']:.4f}",
-                            engine_gap=f"{record['rollout_logprob_diff']:.1e}")
+                            loss=f"{record.get('loss', float('nan')):.4f}", kl_ref=f"{record.get('kl_ref', 0.0):.4f}",
+                            engine_gap=f"{record.get('rollout_logprob_diff', 0.0):.1e}")
             if t.save_every and step % t.save_every == 0:
                 save_model(policy.model, tokenizer, run_dir / f"step_{step}")
                 save_checkpoint(run_dir / "checkpoint", step, policy, critic, history)

@@ -30,7 +30,8 @@ from agentrl.data import arithmetic_tasks
 from agentrl.env.rewards import gsm8k_reward
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import collect, summarize
-from agentrl.rollout.episode import ChatRenderer, EpisodeRunner, EpisodeSettings
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.tools.base import FunctionTool
 from agentrl.tools.builtin.calculator import calculator, evaluate, format_number
@@ -56,7 +57,7 @@ def warmed_up_model(cache: Path, steps: int):
         return load_model(str(cache)), tokenizer
     model = load_model("smollm2-135m-instruct")
     renderer = ChatRenderer(tokenizer, [calculator])
-    samples = [conversation_sample(renderer, demonstration(t), tokenizer.eos_token_id)
+    samples = [conversation_sample(renderer, demonstration(t))
                for t in arithmetic_tasks(64, seed=1000, min_digits=2, max_digits=3)]
     started = time.perf_counter()
     losses = sft_train(model, samples, tokenizer.pad_token_id, steps=steps, batch_size=4, lr=2e-4)

@@ -25,8 +25,30 @@ def test_grpo_and_dr_grpo():
 def test_rloo():
     # r=1: 1 - (0+0+1)/3 = 2/3; r=0: 0 - (1+0+1)/3 = -2/3
     close(rloo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
-    with pytest.raises(ValueError, match="at least 2"):
-        rloo_advantages(torch.tensor([[1.0]]))
+    close(rloo_advantages(torch.tensor([[1.0]])), torch.tensor([[0.0]]))  # no baseline: no signal, no NaN
+
+
+def test_failed_members_leave_their_groups_baseline():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 7.0], [2.0, 0.0, 5.0, 5.0]])
+    valid = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])  # the 7 and the lone group's peers failed
+    # group 1 over (1, 0, 0): mean 1/3, unbiased std sqrt(1/3); group 2 has one member: all 0
+    s = math.sqrt(1 / 3)
+    close(grpo_advantages(rewards, valid), torch.tensor([[2 / 3 / s, -1 / 3 / s, -1 / 3 / s, 0], [0.0] * 4]),
+          atol=1e-4, rtol=0)
+    close(grpo_advantages(rewards, valid, normalize_std=False), torch.tensor([[2 / 3, -1 / 3, -1 / 3, 0], [0.0] * 4]))
+    # RLOO: 1 - (0+0)/2 = 1; 0 - (1+0)/2 = -0.5
+    close(rloo_advantages(rewards, valid), torch.tensor([[1.0, -0.5, -0.5, 0.0], [0.0] * 4]))
+    # REINFORCE++: centred (2/3, -1/3, -1/3) and 0 over 4 valid entries: mean 0, std sqrt((6/9)/3)
+    s = math.sqrt((4 / 9 + 1 / 9 + 1 / 9) / 3)
+    close(reinforce_pp_advantages(rewards, valid),
+          torch.tensor([[2 / 3 / s, -1 / 3 / s, -1 / 3 / s, 0], [0.0] * 4]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages, reinforce_pp_advantages])
+def test_estimators_never_give_nan_on_degenerate_input(estimator):
+    for rewards in (torch.tensor([[1.0]]), torch.tensor([[3.0, 3.0]]), torch.tensor([[1.0, 2.0]])):
+        for valid in (None, torch.tensor([[0] * rewards.shape[1]]), torch.tensor([[1] + [0] * (rewards.shape[1] - 1)])):
+            assert torch.isfinite(estimator(rewards, valid)).all(), (estimator.__name__, rewards, valid)
 
 
 def test_reinforce_pp():

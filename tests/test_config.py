@@ -94,3 +94,38 @@ def test_gsm8k_recipe_header_overrides_make_a_cpu_run():
     config = load_recipe(words[2], words[3:])
     assert config.model.path == "smollm2-135m-instruct" and config.engine.device == config.trainer.device == "cpu"
     assert config.data.files == ["../shared/data/gsm8k/train.jsonl"] and config.trainer.steps == 2
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.group_size=1"], "algorithm.advantage 'grpo' compares the episodes of a task with each other: "
+                               "rollout.group_size must be at least 2 (got 1)"),
+    (["rollout.group_size=1", "algorithm.advantage=rloo"], "algorithm.advantage 'rloo' compares"),
+    (["rollout.group_size=1", "trainer.tasks_per_step=1", "algorithm.advantage=reinforce_pp"],
+     "algorithm.advantage 'reinforce_pp' compares"),
+    (["trainer.mini_batches=64"], "trainer.mini_batches (64) is more than the episodes of a step "
+                                  "(rollout.group_size × trainer.tasks_per_step = 32)"),
+    (["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward needs algorithm.kl_coef > 0"),
+])
+def test_train_rejects_groups_it_cannot_learn_from_when_the_recipe_loads(overrides, message):
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", *overrides],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()  # one line, before any model code ran
+    assert line.startswith(f"agentrl: error: recipes/quickstart.yaml: {message}"), line
+
+
+def test_gae_and_rollouts_accept_single_episode_groups():
+    load_recipe("recipes/quickstart.yaml", ["rollout.group_size=1", "algorithm.advantage=gae"], for_training=True)
+    load_recipe("recipes/rollout_cpu.yaml", ["rollout.group_size=1"])  # rollout and eval do not learn
+
+
+@pytest.mark.parametrize("command,key", [("train", "data.files"), ("eval", "eval.files")])
+def test_an_empty_task_pool_is_a_config_error(tmp_path, command, key):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    pool = "data.files" if command == "train" else "eval.files"
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", command, "recipes/quickstart.yaml",
+                           "data.source=files", f"{pool}=[{empty}]", "model.path=smollm2-135m-instruct"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == f"agentrl: error: {key}: no tasks: ['{empty}'] has no rows"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.rollout.episode import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.trainer.logprobs import pad_sequences, token_logprobs
 from agentrl.trainer.sft import conversation_sample, sft_train
@@ -16,7 +16,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 def test_only_assistant_tokens_carry_loss(tokenizer):
-    sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES, tokenizer.eos_token_id)
+    sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES)
     rendered = tokenizer.apply_chat_template(MESSAGES, tools=[calculator.schema], tokenize=False)
     assert tokenizer.decode(sample.token_ids) + "\n" == rendered
     trained = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
@@ -30,7 +30,7 @@ def test_only_assistant_tokens_carry_loss(tokenizer):
 
 
 def test_sft_steps_raise_demonstration_likelihood(tokenizer, tiny_model):
-    sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES, tokenizer.eos_token_id)
+    sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES)
     batch = pad_sequences([sample.token_ids], [sample.loss_mask], tokenizer.pad_token_id)
 
     def nll() -> float:
@@ -40,3 +40,19 @@ def test_sft_steps_raise_demonstration_likelihood(tokenizer, tiny_model):
     before = nll()
     losses = sft_train(tiny_model, [sample], tokenizer.pad_token_id, steps=3, batch_size=1, lr=1e-2)
     assert nll() < before and losses[-1] < losses[0]
+
+
+def test_openai_style_tool_calls_are_trained(tokenizer):
+    """`content: null` with `tool_calls` (JSON-string arguments, as the OpenAI API sends them) trains
+    on the call as the template renders it, not on an empty turn."""
+    openai_call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "calculator", "arguments": '{"expression": "12 * 34"}'}}]}
+    messages = MESSAGES[:2] + [openai_call] + MESSAGES[3:]
+    sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), messages)
+    trained = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
+    expected = (tokenizer(CALL, add_special_tokens=False)["input_ids"] + [2]
+                + tokenizer("It is 408.", add_special_tokens=False)["input_ids"] + [2])
+    assert trained == expected
+    # The same ids as the text-form conversation: both render to the same tokens.
+    assert sample.token_ids == conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES).token_ids

@@ -7,7 +7,7 @@ import json
 
 from agentrl.env.tool_env import ToolLimits
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
-from agentrl.tools.base import tool
+from agentrl.tools.base import ToolResult, tool
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from agentrl.types import Task
@@ -132,3 +132,54 @@ def test_engine_failure_ends_episode_with_error(tokenizer):
     traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), group_id="g"))
     assert traj.finish == "error" and traj.error == "RuntimeError: engine down"
     assert sum(traj.loss_mask) == 0
+
+
+class Garbage:
+    """A class-based tool returning what real plug-ins sometimes do: text with a lone surrogate (a
+    file name read from a non-UTF-8 directory), raw bytes, a reward that is not a number."""
+
+    schema = {"type": "function", "function": {"name": "garbage", "description": "Misbehaves.", "parameters": {
+        "type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]}}}
+
+    def __init__(self):
+        self.released: list[str] = []
+
+    async def create(self, instance_id, **kwargs):
+        return instance_id
+
+    async def execute(self, instance_id, arguments):
+        kind = arguments["kind"]
+        if kind == "surrogate":
+            return ToolResult("report_\udcff.txt saved", reward=0.5)
+        if kind == "bytes":
+            return b"caf\xc3\xa9 \xff"
+        if kind == "reward":
+            return ToolResult("scored", reward="high", metrics={"good": 1.0, "bad": float("nan")})
+        return ToolResult(text={"nested": ["ok"]}, reward=float("inf"))
+
+    async def reward(self, instance_id):
+        raise RuntimeError("reward service down")
+
+    async def release(self, instance_id):
+        self.released.append(instance_id)
+
+
+def test_whatever_a_tool_returns_becomes_a_message_and_the_episode_goes_on(tokenizer):
+    garbage = Garbage()
+    turn = "".join(call("garbage", kind=k) for k in ("surrogate", "bytes", "reward", "object"))
+    engine = ScriptedEngine(tokenizer, [turn, FINAL])
+    runner = EpisodeRunner(engine, tokenizer, [garbage], parse_hermes,
+                           EpisodeSettings(tool_step_rewards=True, tool_limits=ToolLimits(max_calls_per_turn=4)))
+    traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), group_id="g"))
+    assert traj.finish == "stop" and traj.error is None and traj.metrics["turns"] == 2
+    replies = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    # The lone surrogate shows as a visible escape; the undecodable byte as U+FFFD.
+    assert replies == [r"report_\udcff.txt saved", "café \ufffd", "scored",
+                       '{"nested": ["ok"]}']
+    # Only the valid step reward counts; the text reward, the NaN metric and the infinite reward
+    # are dropped and counted; the valid metric is kept.
+    assert traj.reward == 0.5 and traj.metrics["tool_step_reward"] == 0.5
+    assert traj.metrics["tool_invalid_results"] == 3 and traj.metrics["good"] == 1.0 and "bad" not in traj.metrics
+    assert traj.metrics["tool_errors"] == 1  # reward() raised at the end ...
+    assert len(garbage.released) == 1  # ... and release() still ran: no leaked state
+    json.dumps(traj.to_json()).encode("utf-8")  # the trajectory is writable as JSONL

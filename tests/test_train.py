@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from agentrl.rollout.hf_engine import HFEngine
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.logprobs import pad_sequences, token_logprobs
 from agentrl.trainer.policy import PolicyWorker, batched_logprobs
-from agentrl.trainer.returns import gae_targets, outcome_advantages, token_rewards
+from agentrl.trainer.returns import gae_targets, outcome_advantages, token_advantages, token_rewards
 from agentrl.types import SamplingParams, Trajectory
 
 from conftest import make_tiny_llama
@@ -101,9 +102,11 @@ def make_trajectory(reward: float, pieces: list[tuple[int, bool]]) -> Trajectory
 def test_outcome_advantages_with_kl_to_go():
     trajectories = [make_trajectory(1.0, [(2, False), (2, True)]), make_trajectory(0.0, [(2, False), (2, True)])]
     algo = AlgorithmConfig(advantage="dr_grpo", kl_coef=0.5)
-    assert outcome_advantages(trajectories, 2, algo) == [[0, 0, 0.5, 0.5], [0, 0, -0.5, -0.5]]
+    per_sequence = outcome_advantages(trajectories, 2, algo)
+    assert per_sequence == [0.5, -0.5]
+    assert token_advantages(trajectories, per_sequence, algo) == [[0, 0, 0.5, 0.5], [0, 0, -0.5, -0.5]]
     kl = [[9.0, 9.0, 0.2, 0.4], [9.0, 9.0, 0.0, 0.0]]  # KL on masked tokens is ignored
-    got = outcome_advantages(trajectories, 2, algo, kl)
+    got = token_advantages(trajectories, per_sequence, algo, kl)
     # token 3: 0.5 - 0.5*0.4 = 0.3; token 2: 0.5 - 0.5*(0.2 + 0.4) = 0.2
     assert got[0] == pytest.approx([0, 0, 0.2, 0.3]) and got[1] == [0, 0, -0.5, -0.5]
 
@@ -182,7 +185,9 @@ def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
         capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and [r["weight_version"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2]
+    # Step 1 sampled with the start weights (version 0), step 2 with those synced after step 1.
+    assert [r["weight_version"] for r in rows] == [0, 1] and [r["synced_version"] for r in rows] == [1, 2]
     for row in rows:
         assert REQUIRED_METRICS <= set(row), REQUIRED_METRICS - set(row)
         assert 0 < row["reward_mean"] < 1 and row["grad_norm"] > 0
@@ -202,6 +207,7 @@ def tiny_recipe(tmp_path, tiny_model_dir, monkeypatch):
     """Writes a recipe on the tiny model, output in tmp_path/run, with the length-parity reward
     importable; the given YAML sections complete it."""
     (tmp_path / "e2e_rewards.py").write_text(REWARD_PLUGIN)
+    (tmp_path / "raising_rewards.py").write_text(RAISING_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def write(sections: str):
@@ -244,7 +250,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path, tiny_recipe, capsys):
     # The warm-up schedule went on (2/4 of lr, not 1/4 again) and the engine sampled from the
     # restored weights (a fresh engine holds the start model, far from the trained one).
     assert rows[0]["lr"] == pytest.approx(0.25e-3) and rows[1]["lr"] == pytest.approx(0.5e-3)
-    assert rows[1]["weight_version"] == 2 and rows[1]["rollout_logprob_diff"] < 1e-4
+    assert rows[1]["weight_version"] == 1 and rows[1]["synced_version"] == 2 and rows[1]["rollout_logprob_diff"] < 1e-4
     state = torch.load(tmp_path / "run" / "checkpoint" / "state.pt", weights_only=False)
     assert state["step"] == 2 and state["policy"]["optimizer"]["state"][0]["step"] == 2
 
@@ -261,3 +267,107 @@ def test_activation_checkpointing_gives_the_same_update():
     for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
     assert not torch.equal(plain.model.embed_tokens.weight, make_tiny_llama().model.embed_tokens.weight)
+
+
+def test_failed_episodes_are_left_out_of_the_update_and_the_baseline():
+    from agentrl.train import learn
+
+    def episode(reward: float, completion: list[int], finish: str = "stop") -> Trajectory:
+        traj = Trajectory(task_id="t", group_id="g", finish=finish)
+        traj.append(PROMPT, trainable=False)
+        traj.append(completion, trainable=True, logprobs=[-1.0] * len(completion))
+        traj.reward = None if finish == "error" else reward
+        return traj
+
+    good = [episode(1.0, COMPLETION), episode(0.0, COMPLETION[:5] + [2])]
+    failed = episode(0.0, COMPLETION[2:], finish="error")  # sampled tokens with mask 1, reward None
+    algo = AlgorithmConfig(advantage="grpo")
+    assert outcome_advantages(good + [failed], 3, algo)[2] is None
+    with_failure, without = make_tiny_llama(), make_tiny_llama()
+    metrics = {}
+    for model, trajectories, group in ((with_failure, good + [failed], 3), (without, good, 2)):
+        worker = PolicyWorker(model, 2, lr=1e-3, temperature=1.0)
+        metrics[group] = learn(trajectories, group, algo, worker, None, None, {})
+    for (name, a), b in zip(with_failure.named_parameters(), without.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    assert metrics[3]["loss"] == metrics[2]["loss"] and metrics[3]["grad_norm"] > 0
+
+
+RAISING_REWARDS = '''
+from agentrl.env.rewards import final_answer_text
+
+
+def always_broken(task, messages):
+    raise ConnectionError("judge service unreachable")
+
+
+def sometimes_broken(task, messages):
+    text = final_answer_text(messages)
+    if len(text) % 3 == 0:
+        raise ConnectionError("judge service unreachable")
+    return float(len(text) % 2 == 0)
+'''
+
+
+def test_a_step_with_too_many_failed_episodes_stops_the_run_with_the_cause(tmp_path, tiny_model_dir):
+    (tmp_path / "raising_rewards.py").write_text(RAISING_REWARDS)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
+         "model.dtype=float32", f"output_dir={tmp_path / 'run'}", "reward.function=raising_rewards:always_broken",
+         "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens_per_turn=4", "trainer.steps=2",
+         "trainer.tasks_per_step=2", "trainer.bf16_autocast=false"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "agentrl: error: step 1: 4 of 4 episodes failed (more than trainer.max_failed_fraction 0.25): "
+        "ConnectionError: judge service unreachable (4x)")
+    # The failed step's trajectories are on disk for inspection; no update or checkpoint happened.
+    rows = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    assert [r["finish"] for r in rows] == ["error"] * 4 and not (tmp_path / "run" / "final").exists()
+
+
+def test_training_goes_on_past_a_few_failed_episodes(tiny_recipe):
+    from agentrl.train import train
+
+    recipe = tiny_recipe("""
+        rollout: {group_size: 4, max_turns: 1, max_new_tokens_per_turn: 6}
+        trainer: {steps: 2, tasks_per_step: 2, lr: 1.0e-3, max_failed_fraction: 1.0}
+    """)
+    history = train(load_recipe(recipe, ["reward.function=raising_rewards:sometimes_broken"]))
+    failed = [h["episodes_failed"] for h in history]
+    assert sum(failed) > 0 and all(f < 8 for f in failed), failed
+    assert all(math.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in history)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batches_give_the_gradients_of_one_batch(aggregation):
+    """Packing a mini-batch into several micro-batches accumulates exactly the one-batch gradient
+    (policy loss, KL to a reference, entropy bonus), whatever the aggregation."""
+    from agentrl.trainer.logprobs import pack_micro_batches
+
+    generator = torch.Generator().manual_seed(0)
+    sequences, masks, advantages, refs = [], [], [], []
+    for length, tool_at in ((12, 6), (20, 9), (27, 14), (9, None), (31, 20)):
+        seq = torch.randint(3, 49000, (length,), generator=generator).tolist()
+        mask = [0] * 4 + [1] * (length - 4)
+        if tool_at is not None:  # a masked tool segment between two sampled ones
+            mask[tool_at:tool_at + 3] = [0, 0, 0]
+        sequences.append(seq)
+        masks.append(mask)
+        advantages.append([float(torch.randn(1, generator=generator)) * m for m in mask])
+    # A reference near the policy (its own logprobs, shifted by up to ±0.2), as in training.
+    for seq, mask, own in zip(sequences, masks, batched_logprobs(make_tiny_llama(), sequences, masks, 2, 0.9, 4096)):
+        refs.append([(lp + 0.4 * float(torch.rand(1, generator=generator)) - 0.2) * m for lp, m in zip(own, mask)])
+    assert len(pack_micro_batches([len(s) for s in sequences], 40)) == 4
+
+    grads = []
+    for budget in (40, 100_000):
+        model = make_tiny_llama()
+        worker = PolicyWorker(model, 2, lr=1e-3, temperature=0.9, grad_clip=1e9, micro_batch_tokens=budget,
+                              aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01)
+        worker.update(sequences, masks, advantages, ref_logprobs=refs)
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
+    assert any(g.abs().sum() > 0 for g in grads[1].values())

@@ -11,39 +11,58 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards_BG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def _group_stats(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(valid_BG as float, members per group n_B1, rewards centred on their group's mean, 0 off valid)."""
+    valid_BG = torch.ones_like(rewards_BG) if valid_BG is None else valid_BG.to(rewards_BG.dtype)
+    n_B1 = valid_BG.sum(dim=1, keepdim=True)
+    mean_B1 = (rewards_BG * valid_BG).sum(dim=1, keepdim=True) / n_B1.clamp(min=1)
+    return valid_BG, n_B1, (rewards_BG - mean_B1) * valid_BG
+
+
+def grpo_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = None, normalize_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages: (r - mean_group) / (std_group + eps).
 
     GRPO: Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, section 4.1.2. With
     `normalize_std=False` this is Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training",
     arXiv:2503.20783), which drops the std division that up-weights near-solved groups.
-    `rewards_BG` holds B groups of G samples; the std is unbiased (torch default).
+    `rewards_BG` holds B groups of G samples; `valid_BG` (1 = keep) leaves failed episodes out of
+    their group's mean and std, and gives them 0. The std is unbiased; a group with fewer than two
+    valid members has advantage 0, never NaN.
     """
-    centered_BG = rewards_BG - rewards_BG.mean(dim=1, keepdim=True)
-    if not normalize_std or rewards_BG.shape[1] < 2:
+    valid_BG, n_B1, centered_BG = _group_stats(rewards_BG, valid_BG)
+    if not normalize_std:
         return centered_BG
-    return centered_BG / (rewards_BG.std(dim=1, keepdim=True) + eps)
+    std_B1 = ((centered_BG ** 2).sum(dim=1, keepdim=True) / (n_B1 - 1).clamp(min=1)).sqrt()
+    return centered_BG / (std_B1 + eps)
 
 
-def rloo_advantages(rewards_BG: torch.Tensor) -> torch.Tensor:
-    """Leave-one-out baseline: r_i - mean_{j≠i} r_j.
+def rloo_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = None) -> torch.Tensor:
+    """Leave-one-out baseline: r_i - mean_{j≠i} r_j over the valid members of each group.
 
     Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian et al. 2024,
-    "Back to Basics", arXiv:2402.14740.
+    "Back to Basics", arXiv:2402.14740. r_i - mean_{j≠i} r_j = (r_i - mean) · n / (n - 1); a group
+    with fewer than two valid members has no baseline and gets 0.
     """
-    g = rewards_BG.shape[1]
-    if g < 2:
-        raise ValueError("RLOO needs at least 2 samples per group")
-    return rewards_BG * g / (g - 1) - rewards_BG.sum(dim=1, keepdim=True) / (g - 1)
+    valid_BG, n_B1, centered_BG = _group_stats(rewards_BG, valid_BG)
+    return torch.where(n_B1 >= 2, centered_BG * n_B1 / (n_B1 - 1).clamp(min=1), torch.zeros_like(centered_BG))
 
 
-def reinforce_pp_advantages(rewards_BG: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def reinforce_pp_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = None,
+                            eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++ with baseline: subtract the group mean, then normalise over the whole batch.
 
     Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs", arXiv:2501.03262.
+    Statistics run over valid entries only; with fewer than two the centred rewards are returned
+    as they are (0 for a lone sample), never NaN.
     """
-    centered_BG = rewards_BG - rewards_BG.mean(dim=1, keepdim=True)
-    return (centered_BG - centered_BG.mean()) / (centered_BG.std() + eps)
+    valid_BG, _, centered_BG = _group_stats(rewards_BG, valid_BG)
+    count = valid_BG.sum()
+    if count < 2:
+        return centered_BG
+    mean = centered_BG.sum() / count
+    std = ((((centered_BG - mean) * valid_BG) ** 2).sum() / (count - 1)).sqrt()
+    return (centered_BG - mean) / (std + eps) * valid_BG
 
 
 def gae_advantages(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,

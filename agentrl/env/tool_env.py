@@ -8,13 +8,14 @@ and a counted metric; nothing here raises into the episode loop.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jsonschema
 
-from agentrl.tools.base import Tool, ToolResult, _as_text, tool_name
+from agentrl.tools.base import Tool, ToolResult, as_text, tool_name
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.types import Task, ToolCall
 
@@ -34,7 +35,8 @@ class ToolEnv:
         self.truncate = truncate  # text → (text within the token budget, whether it was cut)
         self.instance_ids: dict[str, str] = {}
         self.metrics: dict[str, float] = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
-                                          "parse_errors": 0, "tool_truncations": 0, "tool_latency_s": 0.0}
+                                          "parse_errors": 0, "tool_truncations": 0, "tool_invalid_results": 0,
+                                          "tool_latency_s": 0.0}
         self.step_rewards: list[float] = []
 
     async def start(self, episode_id: str, task: Task) -> None:
@@ -61,25 +63,36 @@ class ToolEnv:
         return messages
 
     async def _run_call(self, call: ToolCall) -> str:
-        self.metrics["tool_calls"] += 1
+        """The text the model reads for one call; whatever happens, never raises."""
+        self._count(call.name, "calls")
         problem = self._check_call(call)
         if problem:
-            self.metrics["tool_errors"] += 1
+            self._count(call.name, "errors")
             return f"Error: {problem}"
         started = time.perf_counter()
         try:
             result = await asyncio.wait_for(
                 self.tools[call.name].execute(self.instance_ids[call.name], call.arguments), self.limits.timeout_s)
+            text = self._result_text(call.name, result)
         except asyncio.TimeoutError:
             self.metrics["tool_timeouts"] += 1
-            self.metrics["tool_errors"] += 1
+            self._count(call.name, "errors")
             return f"Error: {call.name} did not finish within {self.limits.timeout_s:g} s."
         except Exception as e:
-            self.metrics["tool_errors"] += 1
-            return f"Error: {call.name} failed: {type(e).__name__}: {e}"
+            self._count(call.name, "errors")
+            return f"Error: {call.name} failed: {type(e).__name__}: {_describe(e)}"
         finally:
-            self.metrics["tool_latency_s"] += time.perf_counter() - started
-        return self._result_text(result)
+            latency = time.perf_counter() - started
+            self.metrics["tool_latency_s"] += latency
+            self.metrics[f"tool/{call.name}/latency_s"] = self.metrics.get(f"tool/{call.name}/latency_s", 0.0) + latency
+        return text
+
+    def _count(self, name: str, what: str) -> None:
+        """Run totals (tool_calls, tool_errors) and per-tool counts (tool/<name>/calls, .../errors)."""
+        self.metrics[f"tool_{what}"] += 1
+        if name in self.tools:  # unknown names stay out of the per-tool keys: the model invents them
+            key = f"tool/{name}/{what}"
+            self.metrics[key] = self.metrics.get(key, 0.0) + 1
 
     def _check_call(self, call: ToolCall) -> str | None:
         if call.name not in self.tools:
@@ -93,15 +106,23 @@ class ToolEnv:
             return f"bad arguments for {call.name}: {e.message}."
         return None
 
-    def _result_text(self, result: Any) -> str:
+    def _result_text(self, name: str, result: Any) -> str:
+        """A tool's return value as message text within the token budget. A reward or metric that
+        is not a finite number is dropped and counted (tool_invalid_results); the text still goes
+        to the model."""
+        text = as_text(result.text if isinstance(result, ToolResult) else result)
         if isinstance(result, ToolResult):
-            if result.reward is not None:
-                self.step_rewards.append(float(result.reward))
-            for key, value in result.metrics.items():
-                self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
-            text = result.text if isinstance(result.text, str) else _as_text(result.text)
-        else:
-            text = _as_text(result)
+            reward = _finite(result.reward)
+            if result.reward is not None and reward is None:
+                self.metrics["tool_invalid_results"] += 1
+            elif reward is not None:
+                self.step_rewards.append(reward)
+            for key, value in (result.metrics.items() if isinstance(result.metrics, dict) else ()):
+                number = _finite(value)
+                if number is None or not isinstance(key, str):
+                    self.metrics["tool_invalid_results"] += 1
+                    continue
+                self.metrics[key] = self.metrics.get(key, 0.0) + number
         text, cut = self.truncate(text)
         self.metrics["tool_truncations"] += int(cut)
         return text
@@ -111,9 +132,31 @@ class ToolEnv:
         total = 0.0
         for name, instance_id in self.instance_ids.items():
             t = self.tools[name]
+            try:  # a failing reward() must not skip release(): that would leak the instance's state
+                reward = await asyncio.wait_for(t.reward(instance_id), self.limits.timeout_s)
+                number = _finite(reward)
+                if reward is not None and number is None:
+                    self.metrics["tool_invalid_results"] += 1
+                total += number or 0.0
+            except Exception:
+                self.metrics["tool_errors"] += 1
             try:
-                total += float(await asyncio.wait_for(t.reward(instance_id), self.limits.timeout_s) or 0.0)
                 await asyncio.wait_for(t.release(instance_id), self.limits.timeout_s)
             except Exception:
                 self.metrics["tool_errors"] += 1
         return total
+
+
+def _describe(error: Exception) -> str:
+    try:
+        return as_text(str(error))
+    except Exception:  # noqa: BLE001 - a plug-in's exception may fail to print
+        return "<unprintable>"
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float, or None (None, text, NaN, infinity, objects)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None

@@ -1,7 +1,8 @@
 """Many episodes at once: tasks × group size, bounded concurrency, JSONL output, a summary.
 
 Concurrency is plain asyncio: every episode is a task, a semaphore bounds how many are in flight,
-and the engine batches whatever generate calls they make meanwhile.
+and the engine batches whatever generate calls they make meanwhile. `run_episodes` runs them on a
+fresh event loop whose default executor never waits for a plug-in's stuck thread (tools/threads.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from agentrl.rollout.episode import EpisodeRunner
+from agentrl.tools.threads import run_with_daemon_threads
 from agentrl.types import Task, Trajectory
 
 
@@ -31,32 +33,51 @@ async def collect(runner: EpisodeRunner, tasks: list[Task], group_size: int, max
     return list(await asyncio.gather(*(one(t) for t in tasks for _ in range(group_size))))
 
 
-def write_jsonl(trajectories: list[Trajectory], path: str | Path) -> None:
+def run_episodes(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_concurrent: int) -> list[Trajectory]:
+    """`collect` from synchronous code (the CLI commands and the training driver)."""
+    return run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent))
+
+
+def write_jsonl(trajectories: list[Trajectory], path: str | Path, step: int | None = None) -> None:
+    """One trajectory per line (with its training step when given), UTF-8."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
+    with path.open("w", encoding="utf-8") as f:
         for traj in trajectories:
-            f.write(json.dumps(traj.to_json(), ensure_ascii=False) + "\n")
+            row = traj.to_json() if step is None else {"step": step, **traj.to_json()}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def summarize(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]:
-    """Run-level numbers: reward, tool use, errors, turns, tokens and throughput."""
+    """Run-level numbers: reward (over episodes that did not fail), failures, tool use and errors per
+    tool, turns, finish reasons, the share of tokens trained, throughput."""
     n = max(len(trajectories), 1)
+    ok = [t for t in trajectories if t.finish != "error"]
     total = lambda key: sum(t.metrics.get(key, 0.0) for t in trajectories)  # noqa: E731
     call_attempts = total("tool_calls") + total("parse_errors")
     generated = sum(t.num_generated for t in trajectories)
     summary = {
         "episodes": float(len(trajectories)),
-        "reward_mean": sum(t.reward or 0.0 for t in trajectories) / n,
+        "episodes_failed": float(len(trajectories) - len(ok)),
+        "reward_mean": sum(t.reward for t in ok) / len(ok) if ok else 0.0,
         "tool_call_rate": sum(1 for t in trajectories if t.metrics.get("tool_calls", 0) > 0) / n,
         "tool_calls_per_episode": total("tool_calls") / n,
         "parse_error_rate": total("parse_errors") / call_attempts if call_attempts else 0.0,
         "tool_error_rate": total("tool_errors") / total("tool_calls") if total("tool_calls") else 0.0,
+        "tool_truncations": total("tool_truncations"),
+        "tool_timeouts": total("tool_timeouts"),
+        "template_fallbacks": total("template_fallbacks"),
         "mean_turns": total("turns") / n,
+        "mask_coverage": generated / max(sum(len(t.token_ids) for t in trajectories), 1),
         "tokens_generated": float(generated),
         "tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
         "wall_s": wall_s,
     }
-    for finish, count in Counter(t.finish for t in trajectories).items():
-        summary[f"finish_{finish}"] = count / n
+    for finish in ("stop", "length", "max_turns", "error"):
+        summary[f"finish_{finish}"] = sum(1 for t in trajectories if t.finish == finish) / n
+    for name in sorted({key.split("/")[1] for t in trajectories for key in t.metrics if key.startswith("tool/")}):
+        calls = total(f"tool/{name}/calls")
+        summary[f"tool/{name}/calls"] = calls
+        summary[f"tool/{name}/error_rate"] = total(f"tool/{name}/errors") / calls if calls else 0.0
+        summary[f"tool/{name}/latency_s"] = total(f"tool/{name}/latency_s") / calls if calls else 0.0
     return summary

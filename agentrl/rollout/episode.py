@@ -1,17 +1,20 @@
 """The multi-turn episode loop, token-in/token-out.
 
 The prompt is rendered once with the chat template. Each assistant turn is appended exactly as the
-engine sampled it (mask 1, with logprobs). Tool and user turns are appended as the text the chat
-template adds after the conversation so far: render all messages, strip the text the current ids
-decode to, tokenise the rest (mask 0). Boundary tokens the template inserts after a sampled
-`<|im_end|>` (the newline) therefore land in that suffix, never in the sampled part, and decoding a
-finished trajectory reproduces the template's rendering of its messages.
+engine sampled it (mask 1, with logprobs) and recorded as the message that renders back to it. Tool
+and user turns are appended as the text the chat template adds after the conversation so far:
+render all messages, strip the text the current ids decode to, tokenise the rest (mask 0). Boundary
+tokens the template inserts after a sampled `<|im_end|>` (the newline) therefore land in that
+suffix, never in the sampled part, and decoding a finished trajectory reproduces the template's
+rendering of its messages. Templates that cannot reproduce a sampled turn take chat.py's fallback,
+counted in the `template_fallbacks` metric.
 
 This module does not batch (the engine does), schedule episodes (collect.py does) or train.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,13 +23,11 @@ from typing import Any, Callable
 from agentrl.env.interaction import Interaction
 from agentrl.env.rewards import RewardFn
 from agentrl.env.tool_env import ToolEnv, ToolLimits
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
 from agentrl.tools.base import Tool
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.types import SamplingParams, Task, Trajectory
-
-_FALLBACK_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-
 
 @dataclass
 class EpisodeSettings:
@@ -41,53 +42,6 @@ class EpisodeSettings:
     tool_step_rewards: bool = False  # add the tools' per-call rewards to the trajectory reward
     tool_final_rewards: bool = False  # add each tool's reward(instance) at the end
     interaction_scores: bool = False  # add the interaction's scores
-
-
-class ChatRenderer:
-    """Chat-template rendering to token ids, and the suffix a list of new messages adds."""
-
-    def __init__(self, tokenizer: Any, tools: list[Tool]):
-        self.tokenizer = tokenizer
-        self.schemas = [t.schema for t in tools] or None
-
-    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_text(messages, add_generation_prompt=True))
-
-    def suffix_ids(self, current_ids: list[int], history: list[dict[str, Any]],
-                   new: list[dict[str, Any]]) -> tuple[list[int], bool]:
-        """Ids that continue `current_ids` with `new` messages and the next generation prompt.
-
-        Returns (ids, used_fallback). The fallback, for templates that re-render history
-        differently from what was sampled, diffs a fixed two-message base instead.
-        """
-        current = self.decode(current_ids)
-        full = self.render_text(history + new, add_generation_prompt=True)
-        if full.startswith(current):
-            return self.encode(full[len(current):]), False
-        base = self.render_text(_FALLBACK_BASE, add_generation_prompt=False)
-        extended = self.render_text(_FALLBACK_BASE + new, add_generation_prompt=True)
-        eos = self.tokenizer.eos_token or ""
-        boundary = base[base.rfind(eos) + len(eos):] if eos and eos in base else ""
-        return self.encode(boundary + extended[len(base):]), True
-
-    def truncate(self, text: str, max_tokens: int) -> tuple[str, bool]:
-        """Text cut to `max_tokens` tokens with a marker saying so; (text, was_cut)."""
-        head = text[: max_tokens * 16]  # no token is longer than this, so tokenising stays cheap
-        ids = self.encode(head)
-        if len(ids) <= max_tokens and len(head) == len(text):
-            return text, False
-        kept = self.decode(ids[:max_tokens])
-        return f"{kept}\n[output truncated to {max_tokens} tokens]", True
 
 
 class EpisodeRunner:
@@ -148,13 +102,13 @@ class EpisodeRunner:
                 content_ids = completion.token_ids[:-1] if completion.finish == "stop" else completion.token_ids
                 text = self.renderer.decode(content_ids)
                 parsed = self.parser(text)
-                assistant: dict[str, Any] = {"role": "assistant", "content": text}
-                if parsed.calls:
-                    assistant["tool_calls"] = [c.as_message_field() for c in parsed.calls]
-                traj.messages.append(assistant)
-                if completion.finish == "length":
+                if completion.finish == "length":  # a cut-off turn ends the episode; nothing renders after it
+                    traj.messages.append({"role": "assistant", "content": text})
                     traj.finish = "length"
                     break
+                assistant, exact = self.renderer.assistant_message(traj.messages, text, parsed, completion.token_ids)
+                fallbacks += not exact  # this turn's own rendering differs from its sample
+                traj.messages.append(assistant)
                 if parsed.calls or parsed.errors:
                     new = await env.run_turn(parsed)
                 elif interaction:
@@ -168,7 +122,7 @@ class EpisodeRunner:
                     traj.finish = "stop"
                     break
                 suffix, fell_back = self.renderer.suffix_ids(traj.token_ids, traj.messages, new)
-                fallbacks += fell_back
+                fallbacks += fell_back and exact  # history re-renders differently; counted once per turn
                 if len(traj.token_ids) + len(suffix) >= s.max_context_tokens:
                     traj.finish = "length"
                     break
@@ -178,11 +132,25 @@ class EpisodeRunner:
             tool_final = await env.finish()
             if interaction:
                 await interaction.finish()
-        outcome = float(self.reward_fn(task, traj.messages)) if self.reward_fn else 0.0
+        traj.metrics.update(env.metrics)
+        traj.metrics["template_fallbacks"] = float(fallbacks)
+        outcome = self._outcome(task, traj.messages)
         traj.reward = (outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
                        + (tool_final if s.tool_final_rewards else 0.0)
                        + (sum(scores) if s.interaction_scores else 0.0))
-        traj.metrics.update(env.metrics)
         traj.metrics.update({"turns": float(turns), "outcome_reward": outcome, "tool_step_reward": sum(env.step_rewards),
-                             "tool_final_reward": tool_final, "interaction_score": sum(scores),
-                             "template_fallbacks": float(fallbacks)})
+                             "tool_final_reward": tool_final, "interaction_score": sum(scores)})
+
+    def _outcome(self, task: Task, messages: list[dict[str, Any]]) -> float:
+        """The reward function's value; one that is not a finite number fails the episode, which
+        keeps it out of training (a NaN would poison every advantage of its group)."""
+        if self.reward_fn is None:
+            return 0.0
+        value = self.reward_fn(task, messages)
+        try:
+            number = float(value) if not isinstance(value, (str, bytes)) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"the reward function returned {value!r}, not a finite number")
+        return number

@@ -6,7 +6,6 @@ checked before the model is, so a mistake costs no model load.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -19,7 +18,7 @@ from agentrl.env.interaction import load_interaction
 from agentrl.env.rewards import load_reward_fn
 from agentrl.env.tool_env import ToolLimits
 from agentrl.models import load_model, load_tokenizer
-from agentrl.rollout.collect import collect, summarize, write_jsonl
+from agentrl.rollout.collect import run_episodes, summarize, write_jsonl
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.tools.loader import load_tool_files
@@ -27,11 +26,19 @@ from agentrl.tools.parsers import get_parser
 from agentrl.types import Task
 
 
-def load_tasks(config: RecipeConfig) -> list[Task]:
+def load_tasks(config: RecipeConfig, files_key: str = "data.files") -> list[Task]:
+    """The task pool; an empty one is a ConfigError naming the recipe key that chose it
+    (`files_key`: data.files, or eval.files for held-out tasks)."""
     d = config.data
     if d.source == "arithmetic":
         return arithmetic_tasks(d.num_tasks, d.seed, d.arithmetic.min_digits, d.arithmetic.max_digits)
-    return dataset_tasks(d.source, d.files, d.split, d.prompt_key, d.answer_key, d.id_key, limit=d.num_tasks)
+    tasks = dataset_tasks(d.source, d.files, d.split, d.prompt_key, d.answer_key, d.id_key, limit=d.num_tasks,
+                          files_key=files_key)
+    if not tasks:
+        key, where = (files_key, f"{d.files}") if d.source == "files" else (
+            "data.source", f"dataset '{d.source}' split '{d.split}'")
+        raise ConfigError(f"{key}: no tasks: {where} has no rows")
+    return tasks
 
 
 def episode_settings(config: RecipeConfig) -> EpisodeSettings:
@@ -45,12 +52,13 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
         interaction_scores=config.reward.interaction_scores)
 
 
-def build_runner(config: RecipeConfig, engine: HFEngine | None = None) -> tuple[EpisodeRunner, list[Task]]:
+def build_runner(config: RecipeConfig, engine: HFEngine | None = None,
+                 files_key: str = "data.files") -> tuple[EpisodeRunner, list[Task]]:
     """User files first (cheap, fail fast), then the tokenizer, the model and the engine."""
     tools = load_tool_files(config.rollout.tool_configs)
     interaction = load_interaction(config.rollout.interaction_config) if config.rollout.interaction_config else None
     reward_fn = load_reward_fn(config.reward.function)
-    tasks = load_tasks(config)
+    tasks = load_tasks(config, files_key)
     tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=bool(tools))
     if engine is None:
         model = load_model(config.model.path, config.model.dtype).to(config.engine.device)
@@ -66,8 +74,7 @@ def run_rollout(config: RecipeConfig) -> dict[str, float]:
     print(to_yaml(config), file=sys.stderr)
     runner, tasks = build_runner(config)
     started = time.perf_counter()
-    trajectories = asyncio.run(collect(runner, tasks, config.rollout.group_size,
-                                       config.rollout.max_concurrent_episodes))
+    trajectories = run_episodes(runner, tasks, config.rollout.group_size, config.rollout.max_concurrent_episodes)
     summary = summarize(trajectories, time.perf_counter() - started)
     out = Path(config.output_dir) / "rollout.jsonl"
     write_jsonl(trajectories, out)
@@ -90,14 +97,17 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
     else:
         raise ConfigError("eval.files: held-out files are needed when data.source is not 'arithmetic'")
     eval_config = RecipeConfig.model_validate({**config.model_dump(), **overrides})
-    runner, tasks = build_runner(eval_config)
+    runner, tasks = build_runner(eval_config, files_key="eval.files" if e.files else "data.files")
     started = time.perf_counter()
-    trajectories = asyncio.run(collect(runner, tasks, 1, config.rollout.max_concurrent_episodes))
+    trajectories = run_episodes(runner, tasks, 1, config.rollout.max_concurrent_episodes)
     summary = summarize(trajectories, time.perf_counter() - started)
-    summary["accuracy"] = sum(t.metrics.get("outcome_reward", 0.0) for t in trajectories) / len(trajectories)
+    # A failed episode counts as wrong: accuracy is over every held-out task.
+    summary["accuracy"] = sum(t.metrics.get("outcome_reward", 0.0) for t in trajectories
+                              if t.finish != "error") / len(trajectories)
     out = Path(config.output_dir) / f"eval_{Path(config.model.path).name}.jsonl"  # one file per evaluated model
     write_jsonl(trajectories, out)
     out.with_suffix(".json").write_text(json.dumps({"model": config.model.path, **summary}, indent=2))
-    print(f"eval {config.model.path}: accuracy {summary['accuracy']:.3f} on {len(tasks)} held-out tasks, "
+    failed = f", {summary['episodes_failed']:.0f} failed" if summary["episodes_failed"] else ""
+    print(f"eval {config.model.path}: accuracy {summary['accuracy']:.3f} on {len(tasks)} held-out tasks{failed}, "
           f"tool-call rate {summary['tool_call_rate']:.2f}, mean turns {summary['mean_turns']:.2f} ({out})")
     return summary

@@ -9,11 +9,15 @@ transformers' `get_json_schema` rather than by code of our own.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from transformers.utils import get_json_schema
+
+from agentrl.tools.threads import DaemonExecutor
 
 
 @dataclass
@@ -45,22 +49,29 @@ def tool_name(t: Tool) -> str:
 
 
 class FunctionTool:
-    """Adapts a plain (sync or async) function to the Tool protocol; stateless per instance."""
+    """Adapts a plain (sync or async) function to the Tool protocol; stateless per instance.
 
-    def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None):
+    A synchronous function runs on this tool's own daemon threads (at most `max_workers` at once),
+    never on the event loop or on threads the engine or the loop's shutdown wait for: a call that
+    hangs costs its episode one timeout, and a run or process can still end.
+    """
+
+    def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None, max_workers: int = 8):
         self.fn = fn
         self.schema = schema or function_schema(fn)
+        self._threads = None if inspect.iscoroutinefunction(fn) else DaemonExecutor(
+            max_workers, name=getattr(fn, "__name__", "tool"))
 
     async def create(self, instance_id: str, **kwargs: Any) -> str | None:
         return instance_id
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult | str:
-        if inspect.iscoroutinefunction(self.fn):
+        if self._threads is None:
             result = await self.fn(**arguments)
         else:
-            # A thread keeps a slow synchronous tool from stalling every other episode.
-            result = await asyncio.to_thread(self.fn, **arguments)
-        return result if isinstance(result, ToolResult) else ToolResult(text=_as_text(result))
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._threads, functools.partial(self.fn, **arguments))
+        return result if isinstance(result, ToolResult) else ToolResult(text=as_text(result))
 
     async def reward(self, instance_id: str) -> float | None:
         return None
@@ -84,12 +95,22 @@ def tool(fn: Callable[..., Any]) -> FunctionTool:
     return FunctionTool(fn)
 
 
-def _as_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    import json
-
+def as_text(value: Any) -> str:
+    """Any tool output as text a tokenizer accepts: bytes are decoded (bad bytes replaced), lone
+    surrogates (a non-UTF-8 file name read with Python's defaults) become visible escapes, other
+    objects become JSON, or their repr when JSON cannot hold them."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", errors="replace")
+    if not isinstance(value, str):
+        try:
+            value = json.dumps(value, ensure_ascii=False, default=str)
+        except Exception:  # noqa: BLE001 - str() or repr() of a plug-in's object may raise anything
+            try:
+                value = repr(value)
+            except Exception:  # noqa: BLE001
+                value = f"<unprintable {type(value).__name__}>"
     try:
-        return json.dumps(value, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return str(value)
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        value = value.encode("utf-8", errors="backslashreplace").decode("utf-8")
+    return value

@@ -17,10 +17,13 @@ from agentrl.types import ToolCall
 
 @dataclass
 class ParsedTurn:
-    """The calls found in one assistant turn, in order, and one message per malformed call."""
+    """The calls found in one assistant turn, in order, one message per malformed call, and the
+    text outside the call blocks (what templates that render `tool_calls` themselves put in
+    `content`)."""
 
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    content: str = ""
 
 
 _HERMES_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -36,6 +39,7 @@ def parse_hermes(text: str) -> ParsedTurn:
         else:
             turn.errors.append(error)
     tail = _HERMES_RE.sub("", text)
+    turn.content = tail.strip()
     if "<tool_call>" in tail:
         turn.errors.append("a <tool_call> was opened but never closed with </tool_call>")
     return turn

@@ -14,16 +14,27 @@ from agentrl.algos.advantages import (gae_advantages, grpo_advantages, masked_wh
 from agentrl.config import AlgorithmConfig
 from agentrl.types import Trajectory
 
-OUTCOME_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": lambda r: grpo_advantages(r, normalize_std=False),
+OUTCOME_ESTIMATORS = {"grpo": grpo_advantages,
+                      "dr_grpo": lambda r, valid: grpo_advantages(r, valid, normalize_std=False),
                       "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}
 
 
-def outcome_advantages(trajectories: list[Trajectory], group_size: int, algo: AlgorithmConfig,
-                       kl_per_token: list[list[float]] | None = None) -> list[list[float]]:
-    """Each trajectory's group-relative advantage on its trainable tokens, minus the KL-to-go when
-    the KL is a reward penalty (summed from each token to the end, γ = 1)."""
-    rewards_BG = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float).view(-1, group_size)
-    per_sequence = OUTCOME_ESTIMATORS[algo.advantage](rewards_BG).flatten().tolist()
+def outcome_advantages(trajectories: list[Trajectory], group_size: int, algo: AlgorithmConfig) -> list[float | None]:
+    """One group-relative advantage per trajectory, in order (groups are consecutive runs of
+    `group_size`). Failed episodes (finish 'error') get None: they are left out of the update and
+    out of their group's baseline, so an infrastructure failure never becomes a negative advantage."""
+    valid = [t.finish != "error" for t in trajectories]
+    rewards_BG = torch.tensor([t.reward if ok else 0.0 for t, ok in zip(trajectories, valid)],
+                              dtype=torch.float).view(-1, group_size)
+    valid_BG = torch.tensor(valid, dtype=torch.float).view(-1, group_size)
+    per_sequence = OUTCOME_ESTIMATORS[algo.advantage](rewards_BG, valid_BG).flatten().tolist()
+    return [advantage if ok else None for advantage, ok in zip(per_sequence, valid)]
+
+
+def token_advantages(trajectories: list[Trajectory], per_sequence: list[float], algo: AlgorithmConfig,
+                     kl_per_token: list[list[float]] | None = None) -> list[list[float]]:
+    """Each trajectory's advantage on its trainable tokens, minus the KL-to-go when the KL is a
+    reward penalty (summed from each token to the end, γ = 1)."""
     out = []
     for i, (traj, advantage) in enumerate(zip(trajectories, per_sequence)):
         row = [advantage * m for m in traj.loss_mask]

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from agentrl.rollout.episode import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer, normalize_tool_calls
 from agentrl.trainer.logprobs import pad_sequences, token_logprobs
 
 
@@ -24,18 +24,23 @@ class Sample:
     loss_mask: list[int]
 
 
-def conversation_sample(renderer: ChatRenderer, messages: list[dict[str, Any]], eos_token_id: int) -> Sample:
-    """Token ids and loss mask of a conversation; only assistant tokens carry loss."""
+def conversation_sample(renderer: ChatRenderer, messages: list[dict[str, Any]]) -> Sample:
+    """Token ids and loss mask of a conversation; only assistant tokens carry loss.
+
+    Each assistant turn is what the template renders for it (content, tool calls, end-of-turn
+    token), so an OpenAI-style message with `content: null` and `tool_calls` trains on its calls.
+    """
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     ids = renderer.prompt_ids(messages[:first])
     mask = [0] * len(ids)
     i = first
     while i < len(messages):
-        turn = renderer.encode(messages[i]["content"] or "") + [eos_token_id]
+        turn, _ = renderer.assistant_turn_ids(messages[:i], messages[i])
         ids, mask = ids + turn, mask + [1] * len(turn)
         end = next((j for j in range(i + 1, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
         if end < len(messages):  # no suffix after the last assistant turn: nothing follows it
-            suffix, _ = renderer.suffix_ids(ids, messages[: i + 1], messages[i + 1:end])
+            history = messages[:i] + [normalize_tool_calls(messages[i])]
+            suffix, _ = renderer.suffix_ids(ids, history, messages[i + 1:end])
             ids, mask = ids + suffix, mask + [0] * len(suffix)
         i = end
     return Sample(ids, mask)
@@ -86,7 +91,7 @@ def run_sft(config) -> str:
                      if s.data == "arithmetic" else conversation_file(s.data))
     tokenizer = load_tokenizer(s.base_model, config.model.chat_template, needs_tools=bool(tools))
     renderer = ChatRenderer(tokenizer, tools)
-    samples = [conversation_sample(renderer, c, tokenizer.eos_token_id) for c in conversations]
+    samples = [conversation_sample(renderer, c) for c in conversations]
     model = load_model(s.base_model)
     started = time.perf_counter()
     losses = sft_train(model, samples, tokenizer.pad_token_id, s.steps, s.batch_size, s.lr, s.seed,

@@ -1,0 +1,142 @@
+"""Chat-template rendering for token-in/token-out episodes: prompts, recorded assistant turns, and
+the tokens a list of new (tool or user) messages adds after what was sampled.
+
+The invariant it maintains: rendering the recorded messages reproduces the token text sampled so
+far, so the next suffix is the plain difference of two renderings. Two kinds of template need
+care:
+- templates that render an assistant message's `content` and then its `tool_calls` again (Qwen2.5's
+  shape): the recorded message holds the text outside the call blocks as `content` and the calls
+  as `tool_calls`, whichever of the candidate forms renders back to the sampled text;
+- templates that re-render history differently from what was sampled (a call written in another
+  JSON spacing, reasoning dropped from earlier turns): no recorded form reproduces the sample, so
+  the suffix is taken from a fixed two-message base conversation instead (`used_fallback`). The ids
+  are still exactly what was sampled plus the template's rendering of the new messages; only a
+  re-rendering of the whole conversation differs from them, in the assistant turns.
+
+This module does not sample, run tools or train.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agentrl.tools.base import Tool
+from agentrl.tools.parsers import ParsedTurn
+
+_FALLBACK_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+class TemplateError(RuntimeError):
+    """The chat template cannot continue this conversation token by token."""
+
+
+class ChatRenderer:
+    """Chat-template rendering to token ids, and the suffix a list of new messages adds."""
+
+    def __init__(self, tokenizer: Any, tools: list[Tool]):
+        self.tokenizer = tokenizer
+        self.schemas = [t.schema for t in tools] or None
+
+    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.render_text(messages, add_generation_prompt=True))
+
+    def assistant_message(self, history: list[dict[str, Any]], text: str, parsed: ParsedTurn,
+                          turn_ids: list[int]) -> tuple[dict[str, Any], bool]:
+        """The message recording a sampled turn, and whether it renders back to exactly the sample.
+
+        `turn_ids` are the turn's sampled ids, its end-of-turn token included; the check is local
+        to this turn (after `history` as the template renders it), so a divergence in an earlier
+        turn is not counted again. Candidates, first match wins: the sampled text with structured `tool_calls` beside it (the
+        project's Hermes template renders such content verbatim); the text outside the call blocks
+        with `tool_calls` (templates that render calls themselves); the text alone.
+        """
+        calls = [c.as_message_field() for c in parsed.calls]
+        candidates = [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+        if calls:
+            candidates += [{"role": "assistant", "content": parsed.content, "tool_calls": calls},
+                           {"role": "assistant", "content": text}]
+        sampled = self.render_text(history, add_generation_prompt=True) + self.decode(turn_ids)
+        for candidate in candidates:
+            if self.render_text(history + [candidate], add_generation_prompt=False).startswith(sampled):
+                return candidate, True
+        return candidates[0], False
+
+    def suffix_ids(self, current_ids: list[int], history: list[dict[str, Any]],
+                   new: list[dict[str, Any]]) -> tuple[list[int], bool]:
+        """Ids that continue `current_ids` with `new` messages and the next generation prompt.
+
+        Returns (ids, used_fallback). The fallback, for templates that re-render history
+        differently from what was sampled, diffs a fixed two-message base instead.
+        """
+        current = self.decode(current_ids)
+        full = self.render_text(history + new, add_generation_prompt=True)
+        if full.startswith(current):
+            return self.encode(full[len(current):]), False
+        base = self.render_text(_FALLBACK_BASE, add_generation_prompt=False)
+        extended = self.render_text(_FALLBACK_BASE + new, add_generation_prompt=True)
+        if not extended.startswith(base):
+            raise TemplateError("the chat template re-renders a finished assistant turn when messages follow it, "
+                                "so no suffix for the new messages can be derived")
+        eos = self.tokenizer.eos_token or ""
+        boundary = base[base.rfind(eos) + len(eos):] if eos and eos in base else ""
+        return self.encode(boundary + extended[len(base):]), True
+
+    def assistant_turn_ids(self, history: list[dict[str, Any]], message: dict[str, Any]) -> tuple[list[int], bool]:
+        """Ids a policy would sample for a given assistant message (content, tool calls, end-of-turn
+        token), as the template renders it after `history`; (ids, used_fallback).
+
+        OpenAI-style messages (`content: null`, `tool_calls` with JSON-string arguments) render like
+        any other. The fallback, for templates whose rendering of `history` is not a prefix, is the
+        content followed by each call in the Hermes format the parser reads.
+        """
+        message = normalize_tool_calls(message)
+        prompt = self.render_text(history, add_generation_prompt=True)
+        full = self.render_text(history + [message], add_generation_prompt=False)
+        eos = self.tokenizer.eos_token or ""
+        if full.startswith(prompt) and eos and eos in full[len(prompt):]:
+            body = full[len(prompt):]
+            return self.encode(body[: body.rfind(eos) + len(eos)]), False
+        parts = [message.get("content") or ""] + [
+            "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                         ensure_ascii=False) + "\n</tool_call>"
+            for c in message.get("tool_calls") or []]
+        return self.encode("\n".join(p for p in parts if p)) + [self.tokenizer.eos_token_id], True
+
+    def truncate(self, text: str, max_tokens: int) -> tuple[str, bool]:
+        """Text cut to `max_tokens` tokens with a marker saying so; (text, was_cut)."""
+        head = text[: max_tokens * 16]  # no token is longer than this, so tokenising stays cheap
+        ids = self.encode(head)
+        if len(ids) <= max_tokens and len(head) == len(text):
+            return text, False
+        kept = self.decode(ids[:max_tokens])
+        return f"{kept}\n[output truncated to {max_tokens} tokens]", True
+
+
+def normalize_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an assistant message whose tool calls are `{type, function: {name, arguments}}`
+    with `arguments` a mapping: OpenAI sends them as a JSON string, which templates would quote
+    again. Arguments that are not valid JSON are kept as the string."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    normalized = []
+    for call in calls:
+        fn = dict(call.get("function", call))
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                pass
+        normalized.append({"type": "function", "function": {"name": fn.get("name"), "arguments": fn.get("arguments", {})}})
+    return {**message, "tool_calls": normalized}

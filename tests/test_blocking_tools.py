@@ -1,0 +1,111 @@
+"""A tool that blocks in plain synchronous Python costs its episodes one timeout, not the run.
+
+The rollout runs in a real subprocess, the way `agentrl rollout` and `agentrl train` run it, so
+the test sees what a user sees: when the episodes are done the process exits, although the tool's
+threads are still sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+from agentrl.tools.threads import DaemonExecutor
+
+SCRIPT = textwrap.dedent('''
+    import asyncio, json, sys, time
+    from agentrl.env.tool_env import ToolLimits
+    from agentrl.models import load_tokenizer
+    from agentrl.rollout.collect import run_episodes
+    from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+    from agentrl.tools.base import tool
+    from agentrl.tools.parsers import parse_hermes
+    from agentrl.types import Completion, Task
+
+    @tool
+    def stuck(seconds: float) -> str:
+        """Sleeps in plain synchronous Python.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "woke up"
+
+    class ToThread:
+        """A class-based tool that hands blocking work to asyncio's default executor."""
+        schema = {"type": "function", "function": {"name": "to_thread", "description": "Blocks.",
+                  "parameters": {"type": "object", "properties": {}}}}
+        async def create(self, instance_id, **kwargs): return instance_id
+        async def execute(self, instance_id, arguments):
+            await asyncio.to_thread(time.sleep, 3600)
+            return "never"
+        async def reward(self, instance_id): return None
+        async def release(self, instance_id): return None
+
+    class CallThenAnswer:
+        """Every episode's first turn calls both tools; its second turn answers."""
+        weight_version = 0
+        def __init__(self, tokenizer, first):
+            encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] + [2]
+            self.call, self.answer, self.prompt_len = encode(first), encode("Done."), None
+        async def generate(self, token_ids, sampling):
+            self.prompt_len = self.prompt_len or len(token_ids)  # every task has the same prompt
+            ids = self.call if len(token_ids) == self.prompt_len else self.answer
+            return Completion(ids, [-0.1] * len(ids), "stop", 0)
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct", chat_template="hermes")
+    first = ('<tool_call>\\n{"name": "stuck", "arguments": {"seconds": 3600}}\\n</tool_call>'
+             '<tool_call>\\n{"name": "to_thread", "arguments": {}}\\n</tool_call>')
+    engine = CallThenAnswer(tokenizer, first)
+    runner = EpisodeRunner(engine, tokenizer, [stuck, ToThread()], parse_hermes,
+                           EpisodeSettings(tool_limits=ToolLimits(timeout_s=1.0)))
+    started = time.perf_counter()
+    trajectories = run_episodes(runner, [Task(id=f"t{i}", prompt="Go.") for i in range(4)], 4, 64)
+    print(json.dumps({"wall_s": time.perf_counter() - started,
+                      "finish": [t.finish for t in trajectories],
+                      "timeouts": sum(t.metrics["tool_timeouts"] for t in trajectories),
+                      "replies": sorted({m["content"] for t in trajectories for m in t.messages if m["role"] == "tool"})}))
+''')
+
+
+def test_an_hour_long_sync_tool_costs_one_timeout_and_the_process_exits(tmp_path):
+    (tmp_path / "blocking_rollout.py").write_text(SCRIPT)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, str(tmp_path / "blocking_rollout.py")], capture_output=True, text=True,
+                          timeout=120, cwd=".", env={**__import__("os").environ, "PYTHONPATH": "."})
+    exited_after = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # 16 episodes, each with two calls that block for an hour: all done in about one 1 s timeout.
+    assert result["finish"] == ["stop"] * 16 and result["timeouts"] == 32
+    assert result["replies"] == ["Error: stuck did not finish within 1 s.", "Error: to_thread did not finish within 1 s."]
+    assert result["wall_s"] < 5, result
+    # ...and the interpreter exited without waiting for the 32 sleeping threads (start-up included).
+    assert exited_after < result["wall_s"] + 30, exited_after
+
+
+def test_daemon_executor_bounds_concurrency_and_skips_cancelled_calls():
+    executor = DaemonExecutor(max_workers=2)
+    started: list[int] = []
+
+    def work(i: int) -> int:
+        started.append(i)
+        time.sleep(0.3)
+        return i
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(executor, work, i) for i in range(4)]
+        await asyncio.sleep(0.1)
+        assert executor.running == 2 and sorted(started) == [0, 1]  # two slots, two calls running
+        futures[3].cancel()  # still waiting for a slot: it must never run
+        return await asyncio.gather(*futures[:3])
+
+    assert asyncio.run(main()) == [0, 1, 2]
+    time.sleep(0.5)
+    assert sorted(started) == [0, 1, 2] and executor.running == 0
