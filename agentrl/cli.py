@@ -49,6 +49,45 @@ def _tools_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _view(args: argparse.Namespace) -> int:
+    from agentrl.view import run_view
+
+    run_view(args.run_dir, steps=args.steps, out=args.out, model=args.model)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from agentrl.plot import run_plot
+
+    run_plot(args.run_dirs, out=args.out)
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from agentrl.doctor import run_doctor
+
+    return run_doctor(args.model, tools=args.tools, chat_template=args.chat_template, parser=args.parser)
+
+
+def _add_inspection_commands(commands: argparse._SubParsersAction) -> None:
+    view = commands.add_parser("view", help="an HTML page of a run's trajectories (turns, tokens, loss mask)")
+    view.add_argument("run_dir", help="a run's output directory")
+    view.add_argument("--steps", help="comma-separated steps to include, e.g. 1,5 (default: all)")
+    view.add_argument("--out", help="where to write the page (default: RUN_DIR/view.html)")
+    view.add_argument("--model", help="tokenizer to decode with (default: model.path in RUN_DIR/config.yaml)")
+    view.set_defaults(func=_view)
+    plot = commands.add_parser("plot", help="PNG plots of metrics.jsonl per step, several runs overlaid")
+    plot.add_argument("run_dirs", nargs="+", metavar="run_dir")
+    plot.add_argument("--out", help="directory for the PNG files (default: FIRST_RUN/plots)")
+    plot.set_defaults(func=_plot)
+    doctor = commands.add_parser("doctor", help="check a chat template for tool use and token-exact training")
+    doctor.add_argument("--model", required=True, help="local model directory, hub id or builtin name")
+    doctor.add_argument("--tools", help="tool YAML file (default: the builtin calculator)")
+    doctor.add_argument("--chat-template", help="'hermes' or a Jinja file (default: the model's own)")
+    doctor.add_argument("--parser", default="hermes", help="function-call parser (default: hermes)")
+    doctor.set_defaults(func=_doctor)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="Train LLM agents on multi-turn tool use.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_tools_check)
     listing = tools.add_parser("list", help="tools registered through the agentrl.tools entry points")
     listing.set_defaults(func=_tools_list)
+    _add_inspection_commands(commands)
     return parser
 
 

@@ -1,0 +1,200 @@
+"""`agentrl doctor --model M`: is this chat template fit for token-exact multi-turn tool training?
+
+Five checks, on CPU with the tokenizer only (no weights), on a small conversation with a tool call,
+a tool result, a second user turn and a final answer, rendered exactly as the rollout loop and SFT
+render it (`ChatRenderer`, `conversation_sample`):
+
+- tools: every tool's name and description appear in the rendered prompt;
+- prefix: each appended turn leaves the earlier rendering unchanged (the generation prompt aside);
+- tool-call: a structured tool call, rendered and read back with the recipe's parser, is the same call;
+- loss-mask: the trained tokens decode to exactly each assistant turn's content and end-of-turn token,
+  which is also how the template renders that turn;
+- stop: the end-of-turn tokens are single tokens and the rendered assistant turn ends with one.
+
+It reports one PASS/FAIL line per check and never changes the template; fixing one is up to the user.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from agentrl.errors import ConfigError
+from agentrl.rollout.episode import ChatRenderer
+from agentrl.tools.base import Tool
+from agentrl.tools.parsers import ParsedTurn, get_parser
+from agentrl.types import ToolCall
+
+# How a model writes a call in each parser's format (what the rollout loop would have sampled).
+CALL_TEXT: dict[str, Callable[[ToolCall], str]] = {
+    "hermes": lambda call: f"<tool_call>\n{json.dumps({'name': call.name, 'arguments': call.arguments})}\n</tool_call>",
+}
+_SAMPLE_VALUES = {"string": "12 * 34", "integer": 3, "number": 2.5, "boolean": True, "array": [], "object": {}}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+
+
+def sample_call(tool: Tool) -> ToolCall:
+    """A call of `tool` with a plausible value for each declared parameter."""
+    fn = tool.schema["function"]
+    properties = fn.get("parameters", {}).get("properties", {})
+    return ToolCall(fn["name"], {key: _SAMPLE_VALUES.get(spec.get("type"), "x") for key, spec in properties.items()})
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
+class Doctor:
+    """The checks over one tokenizer (with its chat template), tool list and parser."""
+
+    def __init__(self, tokenizer: Any, tools: list[Tool], parser: str):
+        if parser not in CALL_TEXT:
+            raise ConfigError(f"--parser: unknown parser '{parser}' (known: {', '.join(CALL_TEXT)})")
+        self.tokenizer, self.tools = tokenizer, tools
+        self.parse: Callable[[str], ParsedTurn] = get_parser(parser)
+        self.renderer = ChatRenderer(tokenizer, tools)
+        self.call = sample_call(tools[0])
+        self.conversation = [
+            {"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": "What is 12 * 34?"},
+            {"role": "assistant", "content": CALL_TEXT[parser](self.call), "tool_calls": [self.call.as_message_field()]},
+            {"role": "tool", "name": self.call.name, "content": "408"},
+            {"role": "user", "content": "Thanks. Say it in words."},
+            {"role": "assistant", "content": "Four hundred and eight."},
+        ]
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+        return self.renderer.render_text(messages, add_generation_prompt=generation_prompt)
+
+    def run(self) -> list[Check]:
+        checks = []
+        for name, method in (("tools", self.check_tools), ("prefix", self.check_prefix),
+                             ("tool-call", self.check_tool_call), ("loss-mask", self.check_loss_mask),
+                             ("stop", self.check_stop)):
+            try:
+                ok, detail = method()
+            except Exception as e:  # a template that raises is a failed check, not a crash
+                ok, detail = False, f"rendering failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            checks.append(Check(name, ok, detail))
+        return checks
+
+    def check_tools(self) -> tuple[bool, str]:
+        prompt = self.render(self.conversation[:2], generation_prompt=True)
+        for tool in self.tools:
+            fn = tool.schema["function"]
+            if fn["name"] not in prompt:
+                return False, f"the rendered prompt does not mention tool '{fn['name']}' (does the template use `tools`?)"
+            description = fn.get("description") or ""
+            if description not in prompt and json.dumps(description)[1:-1] not in prompt:
+                return False, f"the description of tool '{fn['name']}' is not in the rendered prompt"
+        names = ", ".join(t.schema["function"]["name"] for t in self.tools)
+        return True, (f"{names} appear in the prompt with their descriptions" if len(self.tools) > 1
+                      else f"{names} appears in the prompt with its description")
+
+    def check_prefix(self) -> tuple[bool, str]:
+        roles = []
+        for k in range(2, len(self.conversation)):
+            role = self.conversation[k]["role"]
+            before = self.render(self.conversation[:k], generation_prompt=role == "assistant")
+            after = self.render(self.conversation[: k + 1])
+            if not after.startswith(before):
+                at = _first_difference(before, after)
+                line = before.rfind("\n", 0, at) + 1  # show the differing line from its start
+                start = line if at - line <= 30 else at
+                return False, (f"appending {_article(role)} {role} turn changed earlier text at char {at}: "
+                               f"expected {before[start:at + 40]!r}, got {after[start:at + 40]!r}")
+            roles.append(role)
+        return True, f"appending {', '.join(roles)} turns kept every earlier rendering as a prefix"
+
+    def check_tool_call(self) -> tuple[bool, str]:
+        prompt = self.render(self.conversation[:2], generation_prompt=True)
+        structured = {"role": "assistant", "content": "", "tool_calls": [self.call.as_message_field()]}
+        full = self.render(self.conversation[:2] + [structured])
+        if not full.startswith(prompt):
+            return False, "the rendered assistant turn does not continue the generation prompt"
+        turn = full[len(prompt):]
+        parsed = self.parse(turn)
+        if parsed.calls != [self.call] or parsed.errors:
+            return False, (f"the template renders {self.call.name}({json.dumps(self.call.arguments)}) as {turn!r}, "
+                           f"which parses to {[(c.name, c.arguments) for c in parsed.calls]}"
+                           f"{' with errors: ' + '; '.join(parsed.errors) if parsed.errors else ''}")
+        return True, f"{self.call.name}({json.dumps(self.call.arguments)}) rendered and parsed back unchanged"
+
+    def check_loss_mask(self) -> tuple[bool, str]:
+        from agentrl.trainer.sft import conversation_sample
+
+        eos = self.tokenizer.eos_token
+        if self.tokenizer.eos_token_id is None:
+            return False, "the tokenizer has no eos token to end assistant turns with"
+        sample = conversation_sample(self.renderer, self.conversation, self.tokenizer.eos_token_id)
+        runs: list[list[int]] = []
+        for position, (token, trained) in enumerate(zip(sample.token_ids, sample.loss_mask)):
+            if trained:
+                if position == 0 or not sample.loss_mask[position - 1]:
+                    runs.append([])
+                runs[-1].append(token)
+        turns = [k for k, m in enumerate(self.conversation) if m["role"] == "assistant"]
+        if len(runs) != len(turns):
+            return False, f"{len(runs)} runs of trained tokens for {len(turns)} assistant turns"
+        for number, (run, k) in enumerate(zip(runs, turns), start=1):
+            got, want = self.renderer.decode(run), self.conversation[k]["content"] + eos
+            if got != want:
+                return False, f"assistant turn {number}: trained tokens decode to {got!r}, expected {want!r}"
+            shown = self.render(self.conversation[: k + 1])[len(self.render(self.conversation[:k], True)):]
+            if not shown.startswith(want):
+                return False, (f"assistant turn {number}: the template renders it as {shown!r}, "
+                               f"but the trained tokens are {want!r}")
+        masked = len(sample.loss_mask) - sum(sample.loss_mask)
+        return True, (f"{sum(sample.loss_mask)} trained tokens are exactly the {len(turns)} assistant turns "
+                      f"plus {eos!r}; {masked} tokens masked")
+
+    def check_stop(self) -> tuple[bool, str]:
+        stops = [t for t in (self.tokenizer.eos_token, "<|im_end|>")
+                 if t and self.tokenizer.convert_tokens_to_ids(t) not in (None, self.tokenizer.unk_token_id)]
+        if self.tokenizer.eos_token is None or self.tokenizer.eos_token not in stops:
+            return False, f"the eos token {self.tokenizer.eos_token!r} is not in the vocabulary"
+        for token in stops:
+            if len(ids := self.renderer.encode(token)) != 1:
+                return False, f"{token!r} is not a single token (it encodes to {ids})"
+        last = self.conversation[-1]
+        turn = self.render(self.conversation)[len(self.render(self.conversation[:-1], True)):]
+        end = turn[turn.find(last["content"]) + len(last["content"]):] if last["content"] in turn else turn
+        if not any(end.startswith(t) for t in stops):
+            return False, (f"the rendered assistant turn {turn!r} does not end its content with a stop token "
+                           f"({', '.join(map(repr, dict.fromkeys(stops)))})")
+        found = next(t for t in stops if end.startswith(t))
+        ids = ", ".join(f"{t!r}={self.tokenizer.convert_tokens_to_ids(t)}" for t in dict.fromkeys(stops))
+        return True, f"stop tokens {ids} are single tokens; the assistant turn ends with {found!r}"
+
+
+def run_doctor(model: str, tools: str | None = None, chat_template: str | None = None, parser: str = "hermes") -> int:
+    """`agentrl doctor`: prints one line per check; 0 when all pass, 1 otherwise."""
+    from agentrl.models import load_tokenizer
+    from agentrl.tools.loader import build_tool, load_tools
+
+    if parser not in CALL_TEXT:  # before anything loads
+        raise ConfigError(f"--parser: unknown parser '{parser}' (known: {', '.join(CALL_TEXT)})")
+    tool_list = load_tools(tools) if tools else [build_tool({"class": "agentrl.tools.builtin.calculator:calculator"})]
+    if not tool_list:
+        raise ConfigError(f"{tools}: no tools to check the template with")
+    doctor = Doctor(load_tokenizer(model, chat_template, needs_tools=True), tool_list, parser)
+    checks = doctor.run()
+    for check in checks:
+        print(check.line())
+    failed = [c.name for c in checks if not c.ok]
+    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0

@@ -1,0 +1,129 @@
+"""Where a run's numbers go: TensorBoard, metrics.jsonl, a console progress bar, and W&B if asked.
+
+`RunLogger` is the one sink the training driver writes a step's metrics to. TensorBoard event files
+(torch's `SummaryWriter`) are always written under `<run_dir>/tensorboard/`, with flat metric names
+grouped into sections (`reward_mean` → `reward/mean`); `<run_dir>/metrics.jsonl` gets one flushed
+JSON line per step, exactly as logged; tqdm draws the progress bar with its ETA. Weights & Biases is
+used only when a project name is given, and is imported only then.
+
+This module computes no metrics and decides nothing about what to log; it only records.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from tqdm import tqdm
+
+from agentrl.errors import ConfigError
+
+# Flat keys the driver emits → TensorBoard section; keys not listed go by prefix, then to "train/".
+_TAGS = {
+    "accuracy": "reward/accuracy", "kl_ref": "kl/ref", "approx_kl": "kl/approx",
+    "parse_error_rate": "tools/parse_error_rate", "mean_turns": "episode/mean_turns",
+    "response_tokens": "episode/response_tokens", "tokens_generated": "episode/tokens_generated",
+    "episodes": "episode/count",
+}
+_PREFIXES = {"reward_": "reward", "time_": "time", "finish_": "finish", "tool_": "tools", "value_": "critic"}
+# (metric, label, format) shown beside the bar when the step logged it
+_BAR_NUMBERS = (("reward_mean", "reward", ".3f"), ("accuracy", "acc", ".2f"), ("tool_call_rate", "tools", ".2f"),
+                ("loss", "loss", ".4f"), ("kl_ref", "kl_ref", ".4f"), ("rollout_logprob_diff", "engine_gap", ".1e"))
+
+
+def tag_for(key: str) -> str:
+    """The TensorBoard/W&B name of a metric; a key that already holds a '/' is its own tag."""
+    if "/" in key:
+        return key
+    if key in _TAGS:
+        return _TAGS[key]
+    for prefix, group in _PREFIXES.items():
+        if key.startswith(prefix) and len(key) > len(prefix):
+            return f"{group}/{key[len(prefix):]}"
+    return f"train/{key}"
+
+
+def _numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers among the metrics (bools and strings are not plotted); 'step' is the axis."""
+    return {k: float(v) for k, v in metrics.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _import_wandb(project: str) -> Any:
+    try:
+        return importlib.import_module("wandb")
+    except ImportError:
+        raise ConfigError(f"wandb project '{project}' is configured but the wandb package is not installed "
+                          f"(pip install wandb, or leave the wandb project unset)") from None
+
+
+class RunLogger:
+    """Records each step's metrics; use as a context manager or call `close()` at the end.
+
+    `start_step` is the last step already done when a run resumes: metrics.jsonl keeps its lines up
+    to that step and drops later ones, and TensorBoard purges the events of later steps, so a killed
+    and resumed run shows each step once. A fresh run (0) starts both from empty.
+    """
+
+    def __init__(self, run_dir: str | Path, config: Mapping[str, Any], total_steps: int,
+                 wandb: str | None = None, *, start_step: int = 0, progress: bool = True):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._wandb_run = None
+        if wandb:
+            self._wandb_run = _import_wandb(wandb).init(
+                project=wandb, name=self.run_dir.name, dir=str(self.run_dir), config=dict(config))
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        kept = self._kept_lines(start_step)
+        self._jsonl = self.metrics_path.open("w")
+        self._jsonl.writelines(kept)
+        self._jsonl.flush()
+        # purge_step drops events at or after it that an earlier (killed or older) run left behind
+        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+        self._tb.add_text("config", "```\n" + json.dumps(dict(config), indent=2, default=str) + "\n```", start_step)
+        self._bar = (tqdm(total=total_steps, initial=start_step, desc="train", file=sys.stdout, dynamic_ncols=True)
+                     if progress else None)
+
+    def _kept_lines(self, start_step: int) -> list[str]:
+        if start_step <= 0 or not self.metrics_path.is_file():
+            return []
+        lines = self.metrics_path.read_text().splitlines(keepends=True)
+        return [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= start_step]
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """One step: a JSONL line ({'step': step, **metrics}), scalars in TensorBoard and W&B, the bar."""
+        record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        scalars = {tag_for(k): v for k, v in _numeric(metrics).items()}
+        for tag, value in scalars.items():
+            self._tb.add_scalar(tag, value, step)
+        self._tb.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(scalars, step=step)
+        if self._bar is not None:
+            self._bar.set_postfix({label: format(float(metrics[key]), fmt)
+                                   for key, label, fmt in _BAR_NUMBERS if key in metrics}, refresh=False)
+            self._bar.update(max(step - self._bar.n, 0))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._tb.close()
+        if not self._jsonl.closed:
+            self._jsonl.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

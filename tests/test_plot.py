@@ -1,0 +1,76 @@
+"""`agentrl plot`: PNGs from metrics.jsonl for one run and two overlaid, through the real CLI too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from PIL import Image
+
+from agentrl.plot import run_plot
+
+BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's C0 and C1
+
+
+def write_run(path, steps: int, reward_start: float, with_kl: bool = True, with_sync: bool = True):
+    path.mkdir(parents=True)
+    rows = []
+    for step in range(1, steps + 1):
+        row = {"step": step, "reward_mean": reward_start + 0.1 * step, "reward_std": 0.05, "accuracy": 0.1 * step,
+               "tool_call_rate": min(1.0, 0.2 * step), "response_tokens": 40.0 + step, "mean_turns": 1.5,
+               "time_rollout_s": 20.0, "time_logprobs_s": 2.0, "time_update_s": 15.0 + step}
+        if with_kl:
+            row |= {"kl_ref": 0.001 * step, "approx_kl": 0.0005}
+        if with_sync:
+            row["time_sync_s"] = 0.5
+        rows.append(row)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def colours(png) -> set[tuple[int, int, int]]:
+    return {rgb for _, rgb in Image.open(png).convert("RGB").getcolors(maxcolors=1 << 20)}
+
+
+def test_one_run_writes_every_panel(tmp_path, capsys):
+    run = write_run(tmp_path / "grpo", steps=6, reward_start=0.0)
+    written = run_plot([run])
+    names = ["reward.png", "accuracy.png", "tool_call_rate.png", "kl.png", "lengths.png", "time.png"]
+    assert [p.name for p in written] == names and all(p.parent == run / "plots" for p in written)
+    assert written[run / "plots" / "kl.png"] == [("grpo", "kl_ref"), ("grpo", "approx_kl")]
+    assert written[run / "plots" / "time.png"] == [("grpo", k) for k in
+                                                   ("time_rollout_s", "time_logprobs_s", "time_update_s", "time_sync_s")]
+    for png in written:
+        image = Image.open(png)
+        assert image.format == "PNG" and image.size[0] >= 600 and image.size[1] == 400
+        assert png.stat().st_size > 10_000 and len(colours(png)) > 50  # drawn, not a blank canvas
+    assert BLUE in colours(run / "plots" / "reward.png")
+    assert capsys.readouterr().out == f"wrote 6 plots to {run / 'plots'}: {', '.join(names)}\n"
+
+
+def test_two_runs_overlay_and_missing_keys_are_skipped(tmp_path):
+    first = write_run(tmp_path / "a" / "grpo", steps=5, reward_start=0.0)
+    second = write_run(tmp_path / "b" / "grpo", steps=3, reward_start=0.3, with_kl=False, with_sync=False)
+    written = run_plot([first, second], out=tmp_path / "cmp")
+    assert written[tmp_path / "cmp" / "reward.png"] == [("a/grpo", "reward_mean"), ("b/grpo", "reward_mean")]
+    assert written[tmp_path / "cmp" / "kl.png"] == [("a/grpo", "kl_ref"), ("a/grpo", "approx_kl")]
+    assert ("b/grpo", "time_sync_s") not in written[tmp_path / "cmp" / "time.png"]
+    assert ("b/grpo", "time_update_s") in written[tmp_path / "cmp" / "time.png"]
+    reward = colours(tmp_path / "cmp" / "reward.png")
+    assert BLUE in reward and ORANGE in reward  # both runs' lines are in the picture
+    assert ORANGE not in colours(tmp_path / "cmp" / "kl.png")  # the second run has no KL
+    assert Image.open(tmp_path / "cmp" / "time.png").size == (1200, 400)  # one stack per run
+
+
+def test_cli_errors_name_the_run(tmp_path):
+    good = write_run(tmp_path / "good", steps=2, reward_start=0.0)
+    (tmp_path / "empty").mkdir()
+    cases = [((str(good), str(tmp_path / "empty")), f"{tmp_path / 'empty'}: no metrics.jsonl (written by agentrl train)"),
+             ((str(tmp_path / "nope"),), f"{tmp_path / 'nope'}: no such run directory")]
+    for args, message in cases:
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", "plot", *args], capture_output=True, text=True)
+        assert (done.returncode, done.stderr) == (2, f"agentrl: error: {message}\n")
+    assert not (good / "plots").exists()  # nothing is written when one run is bad
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "plot", str(good)], capture_output=True, text=True)
+    assert done.returncode == 0 and (good / "plots" / "reward.png").is_file()
