@@ -1,12 +1,15 @@
 # make quickstart  SFT warm-up, GRPO, then held-out accuracy of the SFT and the RL model (CPU, ~12 min)
-# make test       set up .venv on a fresh machine (CPU torch first) and run the test suite
+# make test       set up .venv on a fresh machine (CPU torch first), the Debian packages tests use, and run the suite
 # make rollout    run the small CPU rollout recipe with SmolLM2-135M-Instruct
 # make bench      run the benchmarks in bench/ (vs_trl.py sets up TRL in .venv-trl on first use)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test quickstart rollout bench clean
+.PHONY: setup system-packages test quickstart rollout bench clean
+
+# Debian packages the tests drive for real: headless Chromium for the trajectory viewer.
+SYSTEM_PACKAGES := chromium chromium-driver
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,7 +21,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: setup
+# Installs what is missing (needs root or sudo); without them the tests that need them skip and say so.
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		echo "installing $$missing"; \
+		($$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing >/dev/null) \
+			|| echo "warning: could not install $$missing; the tests that need them will skip"; \
+	fi
+
+test: setup system-packages
 	$(PY) -m agentrl.models smollm2-135m-instruct
 	$(PY) -m pytest -q -rs tests
 

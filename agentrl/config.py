@@ -125,6 +125,8 @@ class TrainerConfig(_Section):
     save_every: int = Field(0, ge=0, description="Every N steps save step_N/ (a model directory) and checkpoint/ "
                                                  "(resumable state); 0: only final/ at the end.")
     resume: bool = Field(False, description="Continue from <output_dir>/checkpoint when it exists.")
+    wandb_project: str | None = Field(None, description="Also log to this Weights & Biases project (needs the "
+                                                        "wandb package).")
     max_failed_fraction: float = Field(0.25, ge=0, le=1, description="Stop the run when more than this share of a "
                                                                      "step's episodes fail (engine, reward or "
                                                                      "interaction errors).")

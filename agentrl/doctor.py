@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from agentrl.errors import ConfigError
-from agentrl.rollout.episode import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.tools.base import Tool
 from agentrl.tools.parsers import ParsedTurn, get_parser
 from agentrl.types import ToolCall
@@ -140,7 +140,7 @@ class Doctor:
         eos = self.tokenizer.eos_token
         if self.tokenizer.eos_token_id is None:
             return False, "the tokenizer has no eos token to end assistant turns with"
-        sample = conversation_sample(self.renderer, self.conversation, self.tokenizer.eos_token_id)
+        sample = conversation_sample(self.renderer, self.conversation)
         runs: list[list[int]] = []
         for position, (token, trained) in enumerate(zip(sample.token_ids, sample.loss_mask)):
             if trained:

@@ -8,14 +8,12 @@ plain objects in this process (trainer.backend 'local').
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig, check_training, to_yaml
@@ -27,6 +25,7 @@ from agentrl.rollout.run import build_runner
 from agentrl.trainer.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint, save_model
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
+from agentrl.tracking import RunLogger
 from agentrl.trainer.returns import gae_targets, outcome_advantages, token_advantages
 from agentrl.types import Trajectory
 
@@ -132,11 +131,9 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
         done, history = load_checkpoint(run_dir / "checkpoint", policy, critic)
         engine.update_weights(policy.named_weights(), version=done, flush_cache=True)
         print(f"resumed from {run_dir / 'checkpoint'} after step {done}")
-    bar = tqdm(range(done + 1, t.steps + 1), desc="train", file=sys.stdout, dynamic_ncols=True, initial=done,
-               total=t.steps)
-    with open(run_dir / "metrics.jsonl", "w") as log:
-        log.writelines(json.dumps(record) + "\n" for record in history)
-        for step in bar:
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    with RunLogger(run_dir, config.model_dump(mode="json"), t.steps, t.wandb_project, start_step=done) as logger:
+        for step in range(done + 1, t.steps + 1):
             tasks = [pool[i % len(pool)] for i in range((step - 1) * t.tasks_per_step, step * t.tasks_per_step)]
             clock = time.perf_counter()
             trajectories = run_episodes(runner, tasks, r.group_size, r.max_concurrent_episodes)
@@ -155,11 +152,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
 
             record = step_record(step, trajectories, rollout, update, times, engine.weight_version)
             history.append(record)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", tools=f"{record['tool_call_rate']:.2f}",
-                            loss=f"{record.get('loss', float('nan')):.4f}", kl_ref=f"{record.get('kl_ref', 0.0):.4f}",
-                            engine_gap=f"{record.get('rollout_logprob_diff', 0.0):.1e}")
+            logger.log(step, record)
             if t.save_every and step % t.save_every == 0:
                 save_model(policy.model, tokenizer, run_dir / f"step_{step}")
                 save_checkpoint(run_dir / "checkpoint", step, policy, critic, history)

@@ -169,7 +169,8 @@ def length_parity(task, messages):
 REQUIRED_METRICS = {
     "reward_mean", "reward_std", "accuracy", "tool_call_rate", "parse_error_rate", "mean_turns", "response_tokens",
     "loss", "clip_fraction", "approx_kl", "kl_ref", "entropy", "grad_norm", "lr", "time_rollout_s", "time_logprobs_s",
-    "time_update_s", "time_sync_s", "tokens_per_s", "weight_version", "rollout_logprob_diff"}
+    "time_update_s", "time_sync_s", "tokens_per_s", "weight_version", "rollout_logprob_diff", "engine_k3_mean",
+    "engine_k3_max", "episodes_failed", "mask_coverage", "finish_stop", "finish_length", "tool_truncations"}
 
 
 def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
@@ -192,9 +193,19 @@ def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
         assert REQUIRED_METRICS <= set(row), REQUIRED_METRICS - set(row)
         assert 0 < row["reward_mean"] < 1 and row["grad_norm"] > 0
         # The engine sampled step 2 with the weights synced after step 1: logprobs agree to fp32 noise.
-        assert row["rollout_logprob_diff"] < 1e-4
+        assert row["rollout_logprob_diff"] < 1e-4 and 0 <= row["engine_k3_mean"] <= row["engine_k3_max"] < 1e-8
+        assert 0 < row["mask_coverage"] < 1 and row["episodes_failed"] == 0
     assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl_ref"] > 1e-6
     assert "train" in done.stdout and f"saved {out / 'final'}" in done.stdout
+    # TensorBoard events of the same numbers, readable with tensorboard's own reader.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward/mean")] == [
+        (r["step"], round(r["reward_mean"], 6)) for r in rows]
+    assert load_recipe(out / "config.yaml").trainer.steps == 2  # the effective config, loadable again
+    steps = sorted(p.name for p in (out / "trajectories").iterdir())
+    assert steps == ["step_1.jsonl", "step_2.jsonl"]
     final = AutoModelForCausalLM.from_pretrained(out / "final")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     step_1 = AutoModelForCausalLM.from_pretrained(out / "step_1")

@@ -86,7 +86,8 @@ class PolicyWorker:
 
         With `rollout_logprobs` (the engine's, as sampled) the metrics include
         rollout_logprob_diff: the mean |engine - trainer| logprob gap before the update, which is
-        ~0 when weight sync works and grows with precision mismatch (bf16 engine) or a stale engine.
+        ~0 when weight sync works and grows with precision mismatch (bf16 engine) or a stale engine,
+        and engine_k3_mean / engine_k3_max: the k3 estimate of KL(engine || trainer) per token.
         """
         if old_logprobs is None and not self.on_policy:
             raise ValueError("old_logprobs are required with several epochs or mini-batches")
@@ -96,9 +97,9 @@ class PolicyWorker:
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
             for key, value in self._mini_batch(mini, sequences, masks, advantages, old_logprobs, ref_logprobs,
                                                rollout_logprobs).items():
-                totals[key] = totals.get(key, 0.0) + value
+                totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0.0) + value
         passes = self.ppo_epochs * self.mini_batches
-        metrics = {key: value / passes for key, value in totals.items()}
+        metrics = {key: value if key.endswith("_max") else value / passes for key, value in totals.items()}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return metrics
@@ -109,7 +110,7 @@ class PolicyWorker:
         total = sum(sum(masks[i][1:]) for i in mini) if token_mean else sum(1 for i in mini if sum(masks[i][1:]))
         metrics = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0}
         if rollout_logprobs is not None:
-            metrics["rollout_logprob_diff"] = 0.0
+            metrics.update(rollout_logprob_diff=0.0, engine_k3_mean=0.0, engine_k3_max=0.0)
         self.optimizer.zero_grad(set_to_none=True)
         for idx, batch in padded_micro_batches(mini, sequences, masks, self.micro_batch_tokens, self.pad_id,
                                                self.device):
@@ -121,8 +122,12 @@ class PolicyWorker:
             advantages_BT = pad_values([advantages[i] for i in idx], width, self.device)
             if rollout_logprobs is not None:  # always token-mean: a per-token precision figure
                 rollout_BT = pad_values([rollout_logprobs[i] for i in idx], width, self.device)
-                gap = ((old_BT - rollout_BT).abs() * batch.mask_BT).sum().item()
-                metrics["rollout_logprob_diff"] += gap / max(sum(sum(masks[i][1:]) for i in mini), 1)
+                tokens = max(sum(sum(masks[i][1:]) for i in mini), 1)
+                metrics["rollout_logprob_diff"] += ((old_BT - rollout_BT).abs() * batch.mask_BT).sum().item() / tokens
+                # KL(engine || trainer) per sampled token, k3 from the engine's own samples
+                k3_BT = kl_estimate(rollout_BT, old_BT.detach(), "k3") * batch.mask_BT
+                metrics["engine_k3_mean"] += k3_BT.sum().item() / tokens
+                metrics["engine_k3_max"] = max(metrics["engine_k3_max"], k3_BT.max().item())
             part = (batch.num_tokens if token_mean else int((batch.mask_BT.sum(1) > 0).sum())) / max(total, 1)
             loss, clip_metrics = ppo_policy_loss(logprobs_BT, old_BT, advantages_BT, batch.mask_BT, **self.clip)
             loss = loss * part
