@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentrl.errors import ConfigError
 
@@ -124,7 +124,30 @@ class TrainerConfig(_Section):
     device: str = Field("cpu", description="Torch device of the policy, reference and critic models.")
     save_every: int = Field(0, ge=0, description="Every N steps save step_N/ (a model directory) and checkpoint/ "
                                                  "(resumable state); 0: only final/ at the end.")
-    resume: bool = Field(False, description="Continue from <output_dir>/checkpoint when it exists.")
+    resume: Literal["never", "auto"] = Field(
+        "never", description="'auto': continue from the newest complete checkpoint in <output_dir>/checkpoints.")
+    keep_checkpoints: int = Field(2, ge=1, description="Resumable checkpoints kept; older ones are deleted.")
+    backend: Literal["local", "ray"] = Field("local", description="'local': every role in this process; 'ray': "
+                                                                  "the same workers as Ray actors.")
+    world_size: int = Field(1, ge=1, description="Data-parallel ranks of the policy, reference and critic "
+                                                 "(FSDP2; backend 'ray' when above 1).")
+    engine_replicas: int = Field(1, ge=1, description="Rollout engines; each serves whole groups of episodes.")
+    placement: Literal["colocated", "split"] = Field(
+        "colocated", description="'colocated': engines share the training ranks' resources (memory released "
+                                 "while training); 'split': engines get their own.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs of each placement bundle (one per rank or "
+                                                         "replica); also its torch threads.")
+    ray_address: str | None = Field(None, description="Join this Ray cluster (multi-node); null: start a local "
+                                                      "Ray for the run.")
+    sync_bucket_mb: int = Field(256, ge=1, description="Weight-sync bucket size sent to the engines, in MiB.")
+    collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of each collective between ranks.")
+    call_timeout_s: float = Field(7200.0, gt=0, description="Longest a worker may take to answer one call "
+                                                            "(a rollout, an update) before the run stops.")
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_from_bool(cls, value: Any) -> Any:
+        return ("auto" if value else "never") if isinstance(value, bool) else value
     wandb_project: str | None = Field(None, description="Also log to this Weights & Biases project (needs the "
                                                         "wandb package).")
     max_failed_fraction: float = Field(0.25, ge=0, le=1, description="Stop the run when more than this share of a "
@@ -192,6 +215,13 @@ def check_training(config: RecipeConfig) -> None:
                           f"(rollout.group_size × trainer.tasks_per_step = {episodes})")
     if a.kl_in_reward and a.kl_coef == 0:
         raise ConfigError("algorithm.kl_in_reward needs algorithm.kl_coef > 0")
+    if t.backend == "local" and (t.world_size > 1 or t.engine_replicas > 1):
+        raise ConfigError(f"trainer.world_size ({t.world_size}) and trainer.engine_replicas ({t.engine_replicas}) "
+                          "above 1 need trainer.backend 'ray'")
+    if t.placement == "colocated" and t.engine_replicas > t.world_size:
+        raise ConfigError(f"trainer.placement 'colocated' puts each engine beside a training rank: "
+                          f"trainer.engine_replicas ({t.engine_replicas}) must not exceed trainer.world_size "
+                          f"({t.world_size})")
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

@@ -2,8 +2,9 @@
 (critic values) → advantages → policy (and critic) update → resume engine memory → weight sync
 (new version, cache flush) → log.
 
-Everything a step needs is built once in `train`; the loop body reads top to bottom. Roles are
-plain objects in this process (trainer.backend 'local').
+Everything a step needs is built once in `train`; the loop body reads top to bottom. The roles are
+plain objects in this process (trainer.backend 'local') or the same classes as Ray actors, sharded
+over ranks ('ray', trainer/launch.py); the driver makes the same calls either way.
 """
 
 from __future__ import annotations
@@ -19,43 +20,15 @@ from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig, check_training, to_yaml
 from agentrl.errors import RunFailed
 from agentrl.memory import release_freed_memory
-from agentrl.models import enable_activation_checkpointing, load_model
-from agentrl.rollout.collect import run_episodes, summarize, write_jsonl
-from agentrl.rollout.run import build_runner
-from agentrl.trainer.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint, save_model
-from agentrl.trainer.critic import CriticWorker, ValueModel
+from agentrl.rollout.collect import summarize, write_jsonl
+from agentrl.rollout.run import load_driver_parts
+from agentrl.trainer.checkpoint import latest_checkpoint
+from agentrl.trainer.critic import CriticWorker
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
+from agentrl.trainer.roles import Roles, start_roles
 from agentrl.tracking import RunLogger
 from agentrl.trainer.returns import gae_targets, outcome_advantages, token_advantages
-from agentrl.types import Trajectory
-
-
-def build_workers(config: RecipeConfig, pad_id: int
-                  ) -> tuple[PolicyWorker, ReferenceWorker | None, CriticWorker | None]:
-    """The trained policy; a frozen reference when the KL is on; a critic for GAE."""
-    t, a, r = config.trainer, config.algorithm, config.rollout
-    policy = PolicyWorker(
-        load_model(config.model.path).to(t.device), pad_id, lr=t.lr, temperature=r.temperature,
-        weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
-        mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens, clip_low=a.clip_low,
-        clip_high=a.clip_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
-        kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
-        bf16_autocast=t.bf16_autocast, seed=config.seed)
-    reference = (ReferenceWorker(load_model(config.model.path).to(t.device), pad_id, r.temperature,
-                                 t.micro_batch_tokens) if a.kl_coef > 0 else None)
-    if t.activation_checkpointing:
-        enable_activation_checkpointing(policy.model)
-    critic = None
-    if a.advantage == "gae":
-        value_model = (ValueModel.load(config.critic.path).to(t.device) if config.critic.path
-                       else ValueModel.from_policy(policy.model))
-        if t.activation_checkpointing:
-            enable_activation_checkpointing(value_model.decoder)
-        critic = CriticWorker(value_model, pad_id, lr=config.critic.lr, value_clip=config.critic.value_clip,
-                              grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
-                              micro_batch_tokens=t.micro_batch_tokens, bf16_autocast=t.bf16_autocast,
-                              seed=config.seed)
-    return policy, reference, critic
+from agentrl.types import Task, Trajectory
 
 
 def step_record(step: int, trajectories: list[Trajectory], rollout: dict[str, float], update: dict[str, float],
@@ -84,6 +57,7 @@ def check_failures(step: int, trajectories: list[Trajectory], max_fraction: floa
 
 def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, policy: PolicyWorker,
           reference: ReferenceWorker | None, critic: CriticWorker | None, times: dict[str, float]) -> dict[str, float]:
+    # policy, reference and critic are the workers themselves (local) or their Ray groups: same calls
     """Old and reference logprobs, advantages, and the policy (and critic) update, on the episodes
     that did not fail; returns the update's metrics and adds the time split to `times`."""
     clock = time.perf_counter()
@@ -108,7 +82,7 @@ def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, p
 
     clock = time.perf_counter()
     update = policy.update(sequences, masks, advantages, old, None if a.kl_in_reward else ref,
-                           rollout_logprobs=[tr.logprobs for tr in trained])
+                           [tr.logprobs for tr in trained])
     if critic is not None:
         update |= critic.update(sequences, masks, returns, values)
     release_freed_memory()  # once a step, after the largest allocations (see agentrl/memory.py)
@@ -119,46 +93,55 @@ def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, p
 def train(config: RecipeConfig) -> list[dict[str, float]]:
     check_training(config)
     print(to_yaml(config), file=sys.stderr)
-    t, a, r = config.trainer, config.algorithm, config.rollout
-    runner, pool = build_runner(config)
-    engine, tokenizer = runner.engine, runner.renderer.tokenizer
-    policy, reference, critic = build_workers(config, tokenizer.pad_token_id)
+    pool, tokenizer = load_driver_parts(config)  # the user's files are checked before any model loads
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    roles = start_roles(config, tokenizer)
+    try:
+        history = run_steps(config, roles, pool, run_dir)
+        roles.save_model(run_dir / "final")
+        if roles.critic is not None:
+            roles.save_critic(run_dir / "critic")
+    finally:
+        roles.shutdown()
+    print("reward by step: " + " ".join(f"{h['reward_mean']:.2f}" for h in history))
+    print(f"saved {run_dir / 'final'}; metrics in {run_dir / 'metrics.jsonl'}")
+    return history
+
+
+def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Path) -> list[dict[str, float]]:
+    """The RL steps, from the newest checkpoint when resuming; returns the metrics of every step."""
+    t, a, r = config.trainer, config.algorithm, config.rollout
     history: list[dict[str, float]] = []
     done = 0  # completed steps; the step number is also the data cursor
-    if t.resume and (run_dir / "checkpoint" / STATE_FILE).exists():
-        done, history = load_checkpoint(run_dir / "checkpoint", policy, critic)
-        engine.update_weights(policy.named_weights(), version=done, flush_cache=True)
-        print(f"resumed from {run_dir / 'checkpoint'} after step {done}")
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    checkpoint = latest_checkpoint(run_dir) if t.resume == "auto" else None
+    if checkpoint is not None:
+        done, history = roles.load_checkpoint(checkpoint)
+        roles.sync_weights(version=done)
+        print(f"resumed from {checkpoint} after step {done}")
     with RunLogger(run_dir, config.model_dump(mode="json"), t.steps, t.wandb_project, start_step=done) as logger:
         for step in range(done + 1, t.steps + 1):
             tasks = [pool[i % len(pool)] for i in range((step - 1) * t.tasks_per_step, step * t.tasks_per_step)]
             clock = time.perf_counter()
-            trajectories = run_episodes(runner, tasks, r.group_size, r.max_concurrent_episodes)
+            trajectories = roles.collect(tasks)
             rollout = summarize(trajectories, time.perf_counter() - clock)
             times = {"time_rollout_s": time.perf_counter() - clock}
             write_jsonl(trajectories, run_dir / "trajectories" / f"step_{step}.jsonl", step=step)
             check_failures(step, trajectories, t.max_failed_fraction)
 
-            engine.release_memory()
-            update = learn(trajectories, r.group_size, a, policy, reference, critic, times)
+            roles.release_memory()
+            update = learn(trajectories, r.group_size, a, roles.policy, roles.reference, roles.critic, times)
 
             clock = time.perf_counter()
-            engine.resume_memory()
-            engine.update_weights(policy.named_weights(), version=step, flush_cache=True)
+            roles.resume_memory()
+            roles.sync_weights(version=step)
             times["time_sync_s"] = time.perf_counter() - clock
 
-            record = step_record(step, trajectories, rollout, update, times, engine.weight_version)
+            record = step_record(step, trajectories, rollout, update, times, roles.weight_version())
             history.append(record)
             logger.log(step, record)
             if t.save_every and step % t.save_every == 0:
-                save_model(policy.model, tokenizer, run_dir / f"step_{step}")
-                save_checkpoint(run_dir / "checkpoint", step, policy, critic, history)
-    save_model(policy.model, tokenizer, run_dir / "final")
-    if critic is not None:
-        critic.model.save(run_dir / "critic")
-    print("reward by step: " + " ".join(f"{h['reward_mean']:.2f}" for h in history))
-    print(f"saved {run_dir / 'final'}; metrics in {run_dir / 'metrics.jsonl'}")
+                roles.save_model(run_dir / f"step_{step}")
+                roles.save_checkpoint(run_dir, step, history)
     return history

@@ -246,24 +246,30 @@ def test_ppo_with_critic_runs_and_saves_the_critic(tmp_path, tiny_recipe):
     assert critic.head.weight.abs().sum() > 0  # the zero-initialised head was trained
 
 
-def test_resume_continues_from_the_checkpoint(tmp_path, tiny_recipe, capsys):
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_recipe, capsys):
     from agentrl.train import train
 
     recipe = tiny_recipe("""
         rollout: {group_size: 4, max_turns: 1, max_new_tokens_per_turn: 6}
-        trainer: {steps: 1, tasks_per_step: 2, lr: 1.0e-3, warmup_steps: 4, save_every: 1}
+        trainer: {steps: 3, tasks_per_step: 2, lr: 1.0e-3, warmup_steps: 4, save_every: 1, keep_checkpoints: 1}
     """)
-    first = train(load_recipe(recipe))
-    resumed = train(load_recipe(recipe, ["trainer.steps=2", "trainer.resume=true"]))
-    assert f"resumed from {tmp_path / 'run' / 'checkpoint'} after step 1" in capsys.readouterr().out
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and rows[0] == first[0] and resumed[1] == rows[1]
-    # The warm-up schedule went on (2/4 of lr, not 1/4 again) and the engine sampled from the
-    # restored weights (a fresh engine holds the start model, far from the trained one).
-    assert rows[0]["lr"] == pytest.approx(0.25e-3) and rows[1]["lr"] == pytest.approx(0.5e-3)
+    whole = train(load_recipe(recipe, [f"output_dir={tmp_path / 'whole'}"]))
+    train(load_recipe(recipe, [f"output_dir={tmp_path / 'split'}", "trainer.steps=1"]))
+    resumed = train(load_recipe(recipe, [f"output_dir={tmp_path / 'split'}", "trainer.resume=auto"]))
+    assert f"resumed from {tmp_path / 'split' / 'checkpoints' / 'step_1'} after step 1" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and resumed[1:] == rows[1:]
+    # Same tasks, same samples (the engine's sampling RNG was restored), same update (weights,
+    # optimizer moments and the warm-up schedule were restored).
+    for step in (2, 3):
+        read = lambda run: [json.loads(line) for line in  # noqa: E731
+                            (tmp_path / run / "trajectories" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert [(t["task_id"], t["token_ids"]) for t in read("split")] == [(t["task_id"], t["token_ids"]) for t in read("whole")]
+        assert rows[step - 1]["loss"] == pytest.approx(whole[step - 1]["loss"], abs=1e-6)
+        assert rows[step - 1]["lr"] == pytest.approx(whole[step - 1]["lr"])
     assert rows[1]["weight_version"] == 1 and rows[1]["synced_version"] == 2 and rows[1]["rollout_logprob_diff"] < 1e-4
-    state = torch.load(tmp_path / "run" / "checkpoint" / "state.pt", weights_only=False)
-    assert state["step"] == 2 and state["policy"]["optimizer"]["state"][0]["step"] == 2
+    # keep_checkpoints 1: only the newest complete checkpoint is left.
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["step_3"]
 
 
 def test_activation_checkpointing_gives_the_same_update():

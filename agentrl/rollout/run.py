@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from agentrl.config import RecipeConfig, to_yaml
 from agentrl.errors import ConfigError
@@ -52,13 +53,27 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
         interaction_scores=config.reward.interaction_scores)
 
 
-def build_runner(config: RecipeConfig, engine: HFEngine | None = None,
-                 files_key: str = "data.files") -> tuple[EpisodeRunner, list[Task]]:
-    """User files first (cheap, fail fast), then the tokenizer, the model and the engine."""
+def load_user_parts(config: RecipeConfig) -> tuple[list, Callable[[], Any] | None, Any]:
+    """The user's tool files, interaction and reward function, each checked: (tools, interaction
+    factory, reward function)."""
     tools = load_tool_files(config.rollout.tool_configs)
     interaction = load_interaction(config.rollout.interaction_config) if config.rollout.interaction_config else None
-    reward_fn = load_reward_fn(config.reward.function)
-    tasks = load_tasks(config, files_key)
+    return tools, interaction, load_reward_fn(config.reward.function)
+
+
+def load_driver_parts(config: RecipeConfig) -> tuple[list[Task], Any]:
+    """What a training driver needs without loading a model: the user's files checked, then the
+    task pool and the tokenizer."""
+    tools, _, _ = load_user_parts(config)
+    tasks = load_tasks(config)
+    return tasks, load_tokenizer(config.model.path, config.model.chat_template, needs_tools=bool(tools))
+
+
+def build_runner(config: RecipeConfig, engine: HFEngine | None = None, files_key: str = "data.files",
+                 with_tasks: bool = True) -> tuple[EpisodeRunner, list[Task]]:
+    """User files first (cheap, fail fast), then the tokenizer, the model and the engine."""
+    tools, interaction, reward_fn = load_user_parts(config)
+    tasks = load_tasks(config, files_key) if with_tasks else []
     tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=bool(tools))
     if engine is None:
         model = load_model(config.model.path, config.model.dtype).to(config.engine.device)

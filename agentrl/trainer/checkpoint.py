@@ -1,31 +1,35 @@
 """What training writes to disk, each directory written beside its target and renamed into place,
-so a killed run never leaves a half-written one: model directories (`save_pretrained`, with the
-tokenizer) and resumable training state (one `state.pt`).
+so a killed run never leaves a half-written one.
 
-A checkpoint holds what the next step needs and a `save_pretrained` directory cannot carry: the
-policy's weights with its optimizer and learning-rate schedule, the critic's (when there is one),
-the batch-order RNG, the step, the weight version and the metrics so far. Tasks are picked by step
-number, so the step is the data cursor. The engine's sampling RNG is not saved: a resumed run draws
-other (equally distributed) samples than an uninterrupted one would have.
+- Model directories (`save_pretrained` with the tokenizer): `step_N/`, `final/`. Under FSDP the
+  full weights are gathered to rank 0, which writes them.
+- Resumable checkpoints, `checkpoints/step_N/`: the policy's (and critic's) model and optimizer
+  state saved sharded with torch.distributed.checkpoint (each rank writes its own shard; a run can
+  resume at another world size), and `trainer_state.pt` with what the driver keeps: the step (which
+  is also the data cursor), the metrics so far, the learning-rate schedules, the batch-order RNGs,
+  every engine replica's sampling RNG and torch's global RNG. The newest complete one is found by
+  `latest_checkpoint`; older ones are pruned to `trainer.keep_checkpoints`.
+
+A checkpoint directory is complete exactly when it has its final name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from agentrl.errors import ConfigError
-
 if TYPE_CHECKING:
-    from agentrl.trainer.critic import CriticWorker
-    from agentrl.trainer.policy import PolicyWorker
+    from agentrl.trainer.distributed import Ranks
 
-STATE_FILE = "state.pt"
+TRAINER_STATE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 @contextlib.contextmanager
@@ -40,38 +44,93 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     os.replace(staging, path)
 
 
-def save_model(model: torch.nn.Module, tokenizer, path: str | Path) -> None:
-    """A save_pretrained directory with the tokenizer: loads in transformers or SGLang as it is."""
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full weights of a sharded model on rank 0 (CPU), a collective; None when not sharded."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def unsharded_class(model: torch.nn.Module) -> type:
+    """The model's own class (FSDP2 wraps it in a generated subclass named FSDP<Class>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def save_model(model: torch.nn.Module, tokenizer: Any, path: str | Path, rank: int = 0) -> None:
+    """A save_pretrained directory with the tokenizer: loads in transformers or SGLang as it is.
+    Every rank calls it (gathering sharded weights is a collective); rank 0 writes."""
+    state = full_state_dict(model)
+    if rank != 0:
+        return
     with atomic_directory(path) as staging:
-        model.save_pretrained(staging)
+        model.save_pretrained(staging, state_dict=state)
+        if state is not None:  # save_pretrained records the wrapper's class name; record the model's
+            config = model.config.__class__.from_pretrained(staging)
+            config.architectures = [unsharded_class(model).__name__]
+            config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 
 
-def save_checkpoint(path: Path, step: int, policy: "PolicyWorker", critic: "CriticWorker | None",
-                    history: list[dict[str, Any]]) -> None:
-    state = {"step": step, "history": history, "torch_rng": torch.get_rng_state(),
-             "policy": {"model": policy.model.state_dict(), "optimizer": policy.optimizer.state_dict(),
-                        "scheduler": policy.scheduler.state_dict(), "rng": policy.rng.getstate()}}
-    if critic is not None:
-        state["critic"] = {"model": critic.model.state_dict(), "optimizer": critic.optimizer.state_dict(),
-                           "rng": critic.rng.getstate()}
-    with atomic_directory(path) as staging:
-        torch.save(state, staging / STATE_FILE)
+def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: "Ranks") -> None:
+    """Model and optimizer state with torch.distributed.checkpoint; all ranks call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # one process is a valid case, not a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path), no_dist=not ranks.distributed)
 
 
-def load_checkpoint(path: Path, policy: "PolicyWorker", critic: "CriticWorker | None") -> tuple[int, list[dict]]:
-    """Restore the workers in place; returns (last completed step, metrics history)."""
-    state = torch.load(path / STATE_FILE, weights_only=False)
-    if ("critic" in state) != (critic is not None):
-        raise ConfigError(f"{path}: the checkpoint was written {'with' if 'critic' in state else 'without'} a "
-                         "critic; algorithm.advantage must match the run that wrote it")
-    policy.model.load_state_dict(state["policy"]["model"])
-    policy.optimizer.load_state_dict(state["policy"]["optimizer"])
-    policy.scheduler.load_state_dict(state["policy"]["scheduler"])
-    policy.rng.setstate(state["policy"]["rng"])
-    if critic is not None:
-        critic.model.load_state_dict(state["critic"]["model"])
-        critic.optimizer.load_state_dict(state["critic"]["optimizer"])
-        critic.rng.setstate(state["critic"]["rng"])
-    torch.set_rng_state(state["torch_rng"])
-    return state["step"], state["history"]
+def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: "Ranks") -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def staging_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """An empty staging directory for step `step`'s checkpoint (a leftover one is removed)."""
+    staging = checkpoint_root(run_dir) / f"step_{step}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit_checkpoint(staging: Path, keep: int) -> Path:
+    """Rename the staging directory into place, then prune to the newest `keep` checkpoints."""
+    final = staging.with_name(staging.name.removesuffix(".tmp"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    for old in complete_checkpoints(staging.parent)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint directories under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+             and (p / TRAINER_STATE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = complete_checkpoints(checkpoint_root(run_dir))
+    return found[-1] if found else None

@@ -14,11 +14,14 @@ from __future__ import annotations
 import copy
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModel
 
 from agentrl.algos.losses import value_loss
+from agentrl.trainer.checkpoint import atomic_directory, full_state_dict, load_sharded, save_sharded
+from agentrl.trainer.distributed import Ranks, full_tensor, shard_model
 from agentrl.trainer.logprobs import PaddedBatch, mini_batch_schedule, pad_values, padded_micro_batches
 
 
@@ -46,10 +49,17 @@ class ValueModel(torch.nn.Module):
 
         return cls(load_model(str(path)).get_decoder())
 
-    def save(self, path: str | Path) -> None:
-        path = Path(path)
-        self.decoder.save_pretrained(path / "decoder")
-        torch.save(self.head.state_dict(), path / "value_head.pt")
+    def save(self, path: str | Path, rank: int = 0) -> None:
+        """`decoder/` and `value_head.pt` at `path`; all ranks call it when sharded, rank 0 writes."""
+        state = full_state_dict(self)
+        if rank != 0:
+            return
+        state = state if state is not None else self.state_dict()
+        with atomic_directory(path) as staging:
+            self.decoder.save_pretrained(staging / "decoder", state_dict={
+                name.removeprefix("decoder."): t for name, t in state.items() if name.startswith("decoder.")})
+            torch.save({name.removeprefix("head."): t for name, t in state.items() if name.startswith("head.")},
+                       staging / "value_head.pt")
 
     def forward(self, batch: PaddedBatch) -> torch.Tensor:
         hidden_BTH = self.decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT).last_hidden_state
@@ -63,7 +73,11 @@ class CriticWorker:
 
     def __init__(self, model: ValueModel, pad_id: int, *, lr: float, value_clip: float | None,
                  grad_clip: float = 1.0, ppo_epochs: int = 1, mini_batches: int = 1,
-                 micro_batch_tokens: int = 4096, bf16_autocast: bool = False, seed: int = 0):
+                 micro_batch_tokens: int = 4096, bf16_autocast: bool = False, seed: int = 0,
+                 ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None):
+        self.ranks = ranks
+        if ranks.distributed:
+            shard_model(model, param_dtype)
         self.model = model.train()
         self.device = next(model.parameters()).device
         self.pad_id, self.value_clip, self.grad_clip = pad_id, value_clip, grad_clip
@@ -76,10 +90,12 @@ class CriticWorker:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
 
     @torch.no_grad()
-    def values(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
-        out: list[list[float]] = [[] for _ in sequences]
-        for idx, batch in padded_micro_batches(list(range(len(sequences))), sequences, masks,
-                                               self.micro_batch_tokens, self.pad_id, self.device):
+    def values(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float] | None]:
+        """Values of this rank's share of the batch; None for other ranks' rows."""
+        out: list[list[float] | None] = [None] * len(sequences)
+        plan = self.ranks.micro_batch_plan(list(range(len(sequences))), [len(s) for s in sequences],
+                                           self.micro_batch_tokens)
+        for idx, batch in padded_micro_batches(plan, sequences, masks, self.pad_id, self.device):
             with self._autocast():
                 values_BT = self.model(batch)
             for row, i in enumerate(idx):
@@ -88,22 +104,41 @@ class CriticWorker:
 
     def update(self, sequences: list[list[int]], masks: list[list[int]], returns: list[list[float]],
                old_values: list[list[float]]) -> dict[str, float]:
-        """Epochs over mini-batches of the clipped value loss (token mean over each mini-batch)."""
+        """Epochs over mini-batches of the clipped value loss (token mean over each mini-batch, by
+        its global token count)."""
         totals = {"value_loss": 0.0, "critic_grad_norm": 0.0}
+        lengths = [len(s) for s in sequences]
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
             total = max(sum(sum(masks[i][1:]) for i in mini), 1)
+            plan = self.ranks.micro_batch_plan(mini, lengths, self.micro_batch_tokens)
             self.optimizer.zero_grad(set_to_none=True)
-            for idx, batch in padded_micro_batches(mini, sequences, masks, self.micro_batch_tokens, self.pad_id,
-                                                   self.device):
+            for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device)):
+                if self.ranks.distributed:
+                    self.model.set_requires_gradient_sync(n == len(plan) - 1)
                 width = batch.ids_BT.shape[1]
                 with self._autocast():
                     values_BT = self.model(batch)
+                if not idx:  # a dummy pass that keeps FSDP's collectives in step
+                    (values_BT.sum() * 0.0).backward()
+                    continue
                 loss = value_loss(values_BT, pad_values([old_values[i] for i in idx], width, self.device),
                                   pad_values([returns[i] for i in idx], width, self.device), batch.mask_BT,
                                   self.value_clip) * (batch.num_tokens / total)
-                loss.backward()
+                (loss * self.ranks.world_size).backward()  # FSDP averages over ranks
                 totals["value_loss"] += loss.item()
-            totals["critic_grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            totals["critic_grad_norm"] += float(full_tensor(norm))
             self.optimizer.step()
         passes = self.ppo_epochs * self.mini_batches
         return {key: value / passes for key, value in totals.items()}
+
+    def save(self, path: str | Path) -> None:
+        self.model.save(path, rank=self.ranks.rank)
+
+    def save_state(self, path: str | Path) -> dict[str, Any]:
+        save_sharded(path, self.model, self.optimizer, self.ranks)
+        return {"rng": self.rng.getstate()}
+
+    def load_state(self, path: str | Path, extra: dict[str, Any]) -> None:
+        load_sharded(path, self.model, self.optimizer, self.ranks)
+        self.rng.setstate(extra["rng"])

@@ -14,6 +14,7 @@ processing after the output head (soft-capping, scaling) are not covered by this
 from __future__ import annotations
 
 import random
+import types
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -78,12 +79,16 @@ def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return groups
 
 
-def padded_micro_batches(indices: list[int], sequences: list[list[int]], masks: list[list[int]], token_budget: int,
-                         pad_id: int, device: torch.device | str) -> Iterator[tuple[list[int], PaddedBatch]]:
-    """The chosen sequences packed by token budget and padded: (their indices, the batch)."""
-    for micro in pack_micro_batches([len(sequences[i]) for i in indices], token_budget):
-        idx = [indices[j] for j in micro]
-        yield idx, pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], pad_id, device)
+def padded_micro_batches(plan: list[list[int]], sequences: list[list[int]], masks: list[list[int]], pad_id: int,
+                         device: torch.device | str) -> Iterator[tuple[list[int], PaddedBatch]]:
+    """Each planned micro-batch padded: (its indices, the batch). An empty entry of the plan (a rank
+    with fewer micro-batches than another, see distributed.Ranks) yields ([], a two-token dummy with
+    one position to predict), which the caller weighs by zero; it keeps FSDP's collectives in step."""
+    for idx in plan:
+        if idx:
+            yield idx, pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], pad_id, device)
+        else:
+            yield [], pad_sequences([[pad_id, pad_id]], [[0, 1]], pad_id, device)
 
 
 def _head_logprobs(head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
@@ -96,13 +101,33 @@ def _head_logprobs(head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: to
     return logp_NV.gather(1, targets_N[:, None]).squeeze(1), entropy_N
 
 
+SHARDED_METHOD = "agentrl_token_logprobs"
+
+
 def token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0,
                    chunk_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_BT, entropy_BT) on the batch's mask-1 positions, zeros elsewhere.
 
     `temperature` must be the sampling temperature, so these match the engine's logprobs.
-    Gradients flow when grad mode is on.
+    Gradients flow when grad mode is on. This path calls the decoder and the output head
+    separately, bypassing the model's `forward`; an FSDP2-sharded model carries it as a registered
+    forward method instead (`attach_token_logprobs`), so that its root parameters (embeddings, head)
+    are gathered and their gradients reduced.
     """
+    method = getattr(model, SHARDED_METHOD, None)
+    if method is not None:
+        return method(batch, temperature, chunk_rows)
+    return compute_token_logprobs(model, batch, temperature, chunk_rows)
+
+
+def attach_token_logprobs(model: torch.nn.Module) -> str:
+    """Give the model this computation as a method (to register with FSDP2); returns its name."""
+    setattr(model, SHARDED_METHOD, types.MethodType(compute_token_logprobs, model))
+    return SHARDED_METHOD
+
+
+def compute_token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0,
+                           chunk_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     hidden_BTH = model.get_decoder()(input_ids=batch.ids_BT, attention_mask=batch.attention_BT).last_hidden_state
     head = model.get_output_embeddings()
     want_BT = batch.mask_BT[:, 1:] > 0  # token t+1 is predicted from position t

@@ -1,42 +1,64 @@
 """The policy worker (PPO-style updates) and the reference worker (frozen logprobs for KL).
 
-Plain classes holding a model: testable in one process, and the unit a distributed launcher would
-wrap. A training step hands the policy worker per-token advantages; the worker runs PPO epochs over
-mini-batches, packs each mini-batch into micro-batches by a token budget, accumulates gradients so
-the loss equals the mini-batch loss exactly, clips the gradient norm and steps AdamW.
+Plain classes holding a model: the local backend uses them in one process, the Ray backend runs one
+per rank (trainer/launch.py), sharded with FSDP2 when there are several (trainer/distributed.py).
+Every rank receives the whole batch and works on its token-balanced share; results for other
+ranks' rows are None and the caller merges them. A training step hands the policy worker per-token
+advantages; the worker runs PPO epochs over mini-batches, packs each rank's share of a mini-batch
+into micro-batches by a token budget, accumulates gradients so that the loss equals the mini-batch
+loss exactly (normalised by the mini-batch's global counts, whatever the number of ranks), clips the
+gradient norm and steps AdamW.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator, Protocol
 
 import torch
 
 from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
-from agentrl.trainer.logprobs import mini_batch_schedule, pad_values, padded_micro_batches, token_logprobs
+from agentrl.trainer.checkpoint import load_sharded, save_model, save_sharded
+from agentrl.trainer.distributed import Ranks, buckets, full_tensor, full_tensors, shard_model
+from agentrl.trainer.logprobs import (attach_token_logprobs, mini_batch_schedule, pad_values, padded_micro_batches,
+                                      token_logprobs)
+
+
+class WeightSink(Protocol):
+    """Where a weight sync goes: the local engine, or every engine replica under Ray."""
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    def finish(self, version: int) -> None: ...
 
 
 class ReferenceWorker:
-    """A frozen model whose logprobs anchor the KL term."""
+    """A frozen model whose logprobs anchor the KL term (no optimizer; shards may live offloaded)."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, temperature: float, micro_batch_tokens: int):
+    def __init__(self, model: torch.nn.Module, pad_id: int, temperature: float, micro_batch_tokens: int,
+                 ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None, offload: bool = False):
         self.model = model.eval().requires_grad_(False)
+        if ranks.distributed:
+            shard_model(self.model, param_dtype, offload, forward_methods=(attach_token_logprobs(self.model),))
         self.pad_id, self.temperature, self.micro_batch_tokens = pad_id, temperature, micro_batch_tokens
+        self.ranks = ranks
 
     @torch.no_grad()
-    def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
-        return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature, self.micro_batch_tokens)
+    def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float] | None]:
+        return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature, self.micro_batch_tokens,
+                                self.ranks)
 
 
 def batched_logprobs(model: torch.nn.Module, sequences: list[list[int]], masks: list[list[int]], pad_id: int,
-                     temperature: float, micro_batch_tokens: int) -> list[list[float]]:
-    """Per-sequence token logprobs (0.0 off the mask), computed in micro-batches without grad."""
+                     temperature: float, micro_batch_tokens: int, ranks: Ranks = Ranks()) -> list[list[float] | None]:
+    """Per-sequence token logprobs (0.0 off the mask) of this rank's share, in micro-batches without
+    grad; None for the rows other ranks compute (none with one rank)."""
     device = next(model.parameters()).device
-    out: list[list[float]] = [[] for _ in sequences]
+    out: list[list[float] | None] = [None] * len(sequences)
+    plan = ranks.micro_batch_plan(list(range(len(sequences))), [len(s) for s in sequences], micro_batch_tokens)
     with torch.no_grad():
-        for idx, batch in padded_micro_batches(list(range(len(sequences))), sequences, masks, micro_batch_tokens,
-                                               pad_id, device):
+        for idx, batch in padded_micro_batches(plan, sequences, masks, pad_id, device):
             logprobs_BT, _ = token_logprobs(model, batch, temperature)
             for row, i in enumerate(idx):
                 out[i] = logprobs_BT[row, : len(sequences[i])].tolist()
@@ -51,7 +73,11 @@ class PolicyWorker:
                  ppo_epochs: int = 1, mini_batches: int = 1, micro_batch_tokens: int = 4096,
                  clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                  aggregation: str = "token-mean", kl_coef: float = 0.0, kl_estimator: str = "k3",
-                 entropy_coef: float = 0.0, bf16_autocast: bool = False, seed: int = 0):
+                 entropy_coef: float = 0.0, bf16_autocast: bool = False, seed: int = 0, ranks: Ranks = Ranks(),
+                 param_dtype: torch.dtype | None = None):
+        self.ranks = ranks
+        if ranks.distributed:  # before the optimizer, which must hold the shards
+            shard_model(model, param_dtype, forward_methods=(attach_token_logprobs(model),))
         self.model = model.train()
         self.device = next(model.parameters()).device
         self.pad_id, self.temperature = pad_id, temperature
@@ -107,22 +133,28 @@ class PolicyWorker:
     def _mini_batch(self, mini, sequences, masks, advantages, old_logprobs, ref_logprobs,
                     rollout_logprobs) -> dict[str, float]:
         token_mean = self.clip["aggregation"] == "token-mean"
+        # Global counts over the whole mini-batch (every rank has it): the same loss at any world size.
         total = sum(sum(masks[i][1:]) for i in mini) if token_mean else sum(1 for i in mini if sum(masks[i][1:]))
+        tokens = max(sum(sum(masks[i][1:]) for i in mini), 1)
         metrics = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0}
         if rollout_logprobs is not None:
             metrics.update(rollout_logprob_diff=0.0, engine_k3_mean=0.0, engine_k3_max=0.0)
+        plan = self.ranks.micro_batch_plan(mini, [len(s) for s in sequences], self.micro_batch_tokens)
         self.optimizer.zero_grad(set_to_none=True)
-        for idx, batch in padded_micro_batches(mini, sequences, masks, self.micro_batch_tokens, self.pad_id,
-                                               self.device):
+        for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device)):
+            if self.ranks.distributed:  # reduce gradients once, after the last micro-batch
+                self.model.set_requires_gradient_sync(n == len(plan) - 1)
             width = batch.ids_BT.shape[1]
             with self._autocast():
                 logprobs_BT, entropy_BT = token_logprobs(self.model, batch, self.temperature)
+            if not idx:  # a dummy pass that keeps FSDP's collectives in step; it weighs nothing
+                ((logprobs_BT.sum() + entropy_BT.sum()) * 0.0).backward()
+                continue
             old_BT = (pad_values([old_logprobs[i] for i in idx], width, self.device) if old_logprobs is not None
                       else logprobs_BT.detach())
             advantages_BT = pad_values([advantages[i] for i in idx], width, self.device)
             if rollout_logprobs is not None:  # always token-mean: a per-token precision figure
                 rollout_BT = pad_values([rollout_logprobs[i] for i in idx], width, self.device)
-                tokens = max(sum(sum(masks[i][1:]) for i in mini), 1)
                 metrics["rollout_logprob_diff"] += ((old_BT - rollout_BT).abs() * batch.mask_BT).sum().item() / tokens
                 # KL(engine || trainer) per sampled token, k3 from the engine's own samples
                 k3_BT = kl_estimate(rollout_BT, old_BT.detach(), "k3") * batch.mask_BT
@@ -141,15 +173,40 @@ class PolicyWorker:
                 if self.kl_coef:
                     loss = loss + self.kl_coef * kl * part
                 metrics["kl_ref"] += kl.item() * part
-            loss.backward()
+            # FSDP averages gradients over ranks; each rank's loss is its part of the global loss.
+            (loss * self.ranks.world_size).backward()
             metrics["loss"] += loss.item()
             metrics["entropy"] += entropy.item() * part
             metrics["clip_fraction"] += clip_metrics["clip_fraction"] * part
             metrics["approx_kl"] += clip_metrics["approx_kl"] * part
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        metrics["grad_norm"] = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)))
         self.optimizer.step()
         return metrics
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors for weight sync, names as in state_dict()."""
-        yield from self.model.state_dict().items()
+        """Full tensors for weight sync, names as in state_dict(); every rank must exhaust it."""
+        yield from full_tensors(self.model)
+
+    def push_weights(self, sink: WeightSink, version: int, bucket_bytes: int) -> None:
+        """Weight sync: every rank gathers each full tensor (a collective), rank 0 sends them to the
+        sink in buckets of at most `bucket_bytes`, then the sink flushes and takes `version`."""
+        for bucket in buckets(self.named_weights(), bucket_bytes):
+            if self.ranks.rank == 0:
+                sink.send(bucket)
+        if self.ranks.rank == 0:
+            sink.finish(version)
+
+    def save_pretrained(self, path: str | Path, tokenizer: Any) -> None:
+        """A transformers model directory at `path`, written by rank 0 (all ranks must call)."""
+        save_model(self.model, tokenizer, path, rank=self.ranks.rank)
+
+    def save_state(self, path: str | Path) -> dict[str, Any]:
+        """Sharded model and optimizer state into `path` (each rank its shard; all ranks must call),
+        and the small state that is the same on every rank, for the driver to keep."""
+        save_sharded(path, self.model, self.optimizer, self.ranks)
+        return {"scheduler": self.scheduler.state_dict(), "rng": self.rng.getstate()}
+
+    def load_state(self, path: str | Path, extra: dict[str, Any]) -> None:
+        load_sharded(path, self.model, self.optimizer, self.ranks)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.rng.setstate(extra["rng"])

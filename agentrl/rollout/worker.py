@@ -1,0 +1,73 @@
+"""The rollout role: one engine replica with its episode runner and tools, driven by the trainer.
+
+The local backend holds one in the driver's process; the Ray backend runs one per engine replica
+(trainer/launch.py), so tools execute in the rollout processes, next to their engine, and every
+turn of an episode is served by the replica its group was sent to (its KV cache lives there).
+Weight updates arrive in buckets and end with one cache flush and a new weight version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentrl.config import RecipeConfig
+from agentrl.rollout.collect import run_episodes
+from agentrl.rollout.run import build_runner
+from agentrl.types import Task, Trajectory
+
+
+class RolloutWorker:
+    """An engine replica and its episode runner. Replica r samples with seed engine.seed + r."""
+
+    def __init__(self, config: RecipeConfig, replica: int = 0):
+        engine_config = config.engine.model_copy(update={"seed": config.engine.seed + replica})
+        self.config = config.model_copy(update={"engine": engine_config})
+        self.runner, _ = build_runner(self.config, with_tasks=False)
+        self.engine = self.runner.engine
+
+    def collect(self, tasks: list[Task]) -> list[Trajectory]:
+        """`rollout.group_size` episodes per task, grouped by task in task order."""
+        r = self.config.rollout
+        return run_episodes(self.runner, tasks, r.group_size, r.max_concurrent_episodes)
+
+    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of new weights, copied in place; generation waits until `finish_weights`."""
+        self.engine.update_weights(bucket, version=self.engine.weight_version, flush_cache=False)
+
+    def finish_weights(self, version: int) -> None:
+        """The end of a weight sync: one cache flush, then completions carry `version`."""
+        self.engine.update_weights([], version=version, flush_cache=True)
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The engine's sampling generator state (None for engines that keep their own)."""
+        generator = getattr(self.engine, "generator", None)
+        return generator.get_state() if generator is not None else None
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            self.engine.generator.set_state(state)
+
+    def version(self) -> int:
+        """The weight version the engine holds."""
+        return self.engine.weight_version
+
+
+class LocalSink:
+    """A weight sync into engines in this process (the local backend)."""
+
+    def __init__(self, workers: list[RolloutWorker]):
+        self.workers = workers
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        for worker in self.workers:
+            worker.load_weights(bucket)
+
+    def finish(self, version: int) -> None:
+        for worker in self.workers:
+            worker.finish_weights(version)

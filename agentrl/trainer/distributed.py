@@ -1,0 +1,121 @@
+"""Data parallelism for the training workers: process groups, FSDP2 sharding, token-balanced batch
+shards, and full tensors for weight sync and saving.
+
+A worker learns its place from `Ranks`. With one rank (the local backend) nothing here touches
+torch.distributed and every helper is the identity. With several, every rank receives the whole
+batch and takes its own share of each mini-batch, balanced by token count; losses are normalised by
+the mini-batch's global token (or sequence) count, so a step gives the same update whatever the
+number of ranks. FSDP2 collectives need every rank to run the same number of forward and backward
+passes: ranks with fewer micro-batches run zero-weight dummy ones (`micro_batch_plan`).
+
+This module does not start processes (trainer/launch.py does) and knows nothing of Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from agentrl.trainer.logprobs import pack_micro_batches
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's rank among `world_size` data-parallel ranks of one role."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def shards(self, indices: list[int], lengths: list[int]) -> list[list[int]]:
+        """`indices` dealt to ranks by token count: longest first, each to the rank with the fewest
+        tokens so far (ties to the lower rank). Deterministic, so every rank computes the same plan."""
+        parts: list[list[int]] = [[] for _ in range(self.world_size)]
+        load = [0] * self.world_size
+        for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+            lightest = min(range(self.world_size), key=lambda r: (load[r], r))
+            parts[lightest].append(i)
+            load[lightest] += lengths[i]
+        return [sorted(part) for part in parts]
+
+    def micro_batch_plan(self, indices: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+        """This rank's micro-batches of `indices`, padded with empty ones (dummies) up to the most any
+        rank has, so that all ranks make the same number of passes."""
+        plans = [[[part[j] for j in micro] for micro in pack_micro_batches([lengths[i] for i in part], token_budget)]
+                 for part in self.shards(indices, lengths)]
+        most = max(len(plan) for plan in plans)
+        mine = plans[self.rank]
+        return mine + [[] for _ in range(most - len(mine))]
+
+
+def init_process_group(ranks: Ranks, address: str, port: int, device_type: str, timeout_s: float) -> None:
+    """Join the role's process group: gloo on CPU, nccl on CUDA, with a timeout on every collective."""
+    if not ranks.distributed or dist.is_initialized():
+        return
+    if device_type == "cpu" and address in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep single-node traffic on loopback
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://{address}:{port}",
+                            rank=ranks.rank, world_size=ranks.world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers model (the first ModuleList named '...layers')."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.endswith("layers"):
+            return list(module)
+    raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
+
+
+def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None, offload: bool = False,
+                forward_methods: tuple[str, ...] = ()) -> None:
+    """FSDP2 in place: each decoder layer, then the root. `param_dtype` bf16 computes in bf16 and
+    reduces gradients in fp32; `offload` keeps the shards in CPU memory between uses (CUDA);
+    `forward_methods` are methods that use the root's parameters outside `forward`."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    kwargs = {}
+    if param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for name in forward_methods:
+        register_fsdp_forward_method(model, name)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a shard; a collective for a DTensor (every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) in state_dict order, detached. Every rank must exhaust it."""
+    for name, tensor in model.state_dict().items():
+        yield name, full_tensor(tensor.detach())
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most `max_bytes` (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

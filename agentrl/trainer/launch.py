@@ -1,0 +1,326 @@
+"""The Ray backend: the same worker classes as the local backend, one Ray actor per rank or replica,
+placed with a placement group. The only module that imports ray.
+
+Placement: one bundle (`trainer.cpus_per_worker` CPUs, and a GPU on CUDA) per training rank. In the
+colocated mode rank i's bundle also holds engine replica i (as in verl's hybrid engine and
+OpenRLHF's colocation; the engine releases its memory while the trainer runs); in the split mode the
+replicas get bundles of their own. Each role's ranks form their own process group (FSDP2 over gloo
+on CPU, nccl on GPU), joined at rank 0's node address.
+
+Failure: every actor runs a sentinel call that only returns if it dies, and every wait watches the
+sentinels, so a killed or OOM-killed worker, or a method that raises, stops the run at once with
+the role, rank and cause (RunFailed), and a call that outlasts `trainer.call_timeout_s` does too.
+The driver then tears every actor down; nothing is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from agentrl.config import RecipeConfig
+from agentrl.errors import RunFailed
+from agentrl.rollout.worker import RolloutWorker
+from agentrl.trainer.distributed import Ranks, init_process_group
+from agentrl.trainer.roles import Roles, make_critic, make_policy, make_reference
+from agentrl.types import Task, Trajectory
+
+RANK_INVARIANT = {"grad_norm", "critic_grad_norm", "lr"}  # equal on every rank: taken from rank 0
+
+
+def make_rollout(config: RecipeConfig, pad_id: int, ranks: Ranks) -> RolloutWorker:
+    return RolloutWorker(config, replica=ranks.rank)
+
+
+@ray.remote
+class RoleActor:
+    """Hosts one worker: joins its role's process group, builds the worker, runs its methods."""
+
+    def __init__(self, threads: int):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.worker: Any = None
+        self._stop = threading.Event()
+
+    def node(self) -> tuple[str, int, int]:
+        """(node address, a free port there, this process's pid)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port, os.getpid()
+
+    def setup(self, factory: Callable[..., Any], config: RecipeConfig, pad_id: int, ranks: Ranks, address: str,
+              port: int, join_group: bool) -> None:
+        if join_group:
+            init_process_group(ranks, address, port, config.trainer.device.split(":")[0],
+                               config.trainer.collective_timeout_s)
+        self.worker = factory(config, pad_id, ranks)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def sentinel(self) -> None:
+        """Never returns while the actor lives; its failure is how the driver learns of a death."""
+        self._stop.wait()
+
+
+def merge_rows(results: list[list[Any]]) -> list[Any]:
+    """Whole-batch rows from each rank's share (None where another rank computed the row)."""
+    return [next((r[i] for r in results if r[i] is not None), None) for i in range(len(results[0]))]
+
+
+def merge_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    """Each rank's metrics are its part of the global value: summed; maxima are maxed; rank-invariant
+    numbers come from rank 0."""
+    merged: dict[str, float] = {}
+    for key in results[0]:
+        values = [r[key] for r in results]
+        merged[key] = values[0] if key in RANK_INVARIANT else max(values) if key.endswith("_max") else sum(values)
+    return merged
+
+
+class Supervisor:
+    """Waits for remote calls while watching every actor's sentinel."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.sentinels: dict[ray.ObjectRef, str] = {}
+
+    def watch(self, actor: Any, label: str) -> None:
+        self.sentinels[actor.sentinel.remote()] = label
+
+    def wait(self, refs: list[ray.ObjectRef], labels: list[str], what: str) -> list[Any]:
+        owner = dict(zip(refs, labels))
+        pending = list(refs)
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(pending + list(self.sentinels), num_returns=1,
+                                timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            for ref in ready:
+                label = self.sentinels.get(ref) or owner[ref]
+                try:
+                    ray.get(ref)
+                except Exception as e:  # a death (sentinel or call) or an exception in the call
+                    raise RunFailed(f"{label} failed during {what}: {describe(e)}") from None
+                if ref in self.sentinels:
+                    raise RunFailed(f"{label} stopped its watch during {what}")
+                pending.remove(ref)
+            if pending and time.monotonic() > deadline:
+                raise RunFailed(f"{owner[pending[0]]} did not finish {what} within trainer.call_timeout_s "
+                                f"({self.timeout_s:g} s)")
+        return ray.get(refs)
+
+
+def describe(error: Exception) -> str:
+    """One line: the worker's own exception, or how its process died."""
+    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+        return f"{type(error.cause).__name__}: {str(error.cause).strip().splitlines()[-1] if str(error.cause).strip() else ''}"
+    if isinstance(error, ray.exceptions.ActorDiedError):
+        text = " ".join(str(error).split())
+        return "the process died (" + (text[text.find("Worker exit"):][:240] if "Worker exit" in text else text[:240]) + ")"
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:240]}"
+
+
+class WorkerGroup:
+    """One role's actors behind the worker's own calls; whole-batch arguments go once to the
+    object store, results are merged across ranks."""
+
+    def __init__(self, role: str, actors: list[Any], supervisor: Supervisor, on_policy: bool = False):
+        self.role, self.actors, self.supervisor, self.on_policy = role, actors, supervisor, on_policy
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        shared = [ray.put(a) if isinstance(a, list) else a for a in args]
+        refs = [actor.call.remote(method, *shared) for actor in self.actors]
+        return self.supervisor.wait(refs, [f"{self.role} rank {i}" for i in range(len(refs))], method)
+
+    def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
+        return merge_rows(self.call_all("logprobs", sequences, masks))
+
+    def values(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
+        return merge_rows(self.call_all("values", sequences, masks))
+
+    def update(self, *args: Any) -> dict[str, float]:
+        return merge_metrics(self.call_all("update", *args))
+
+    def save_state(self, path: Path) -> dict[str, Any]:
+        return self.call_all("save_state", str(path))[0]
+
+    def load_state(self, path: Path, extra: dict[str, Any]) -> None:
+        self.call_all("load_state", str(path), extra)
+
+    def save_pretrained(self, path: Path, tokenizer: Any) -> None:
+        self.call_all("save_pretrained", str(path), tokenizer)
+
+    def save(self, path: Path) -> None:
+        self.call_all("save", str(path))
+
+    def push_weights(self, sink: Any, version: int, bucket_bytes: int) -> None:
+        self.call_all("push_weights", sink, version, bucket_bytes)
+
+
+class RaySink:
+    """A weight sync into every engine replica: each bucket through the object store once."""
+
+    def __init__(self, rollout_actors: list[Any], timeout_s: float):
+        self.actors, self.timeout_s = rollout_actors, timeout_s
+
+    def send(self, bucket: list[tuple[str, Any]]) -> None:
+        ref = ray.put(bucket)
+        ray.get([actor.call.remote("load_weights", ref) for actor in self.actors], timeout=self.timeout_s)
+
+    def finish(self, version: int) -> None:
+        ray.get([actor.call.remote("finish_weights", version) for actor in self.actors], timeout=self.timeout_s)
+
+
+class RayRoles(Roles):
+    """Every role as a group of Ray actors (trainer.backend 'ray')."""
+
+    def __init__(self, config: RecipeConfig, tokenizer: Any):
+        self.config, self.tokenizer = config, tokenizer
+        t = config.trainer
+        self._started_ray = not ray.is_initialized() and t.ray_address is None
+        if t.ray_address:
+            ray.init(address=t.ray_address, namespace="agentrl", log_to_driver=True)
+        elif self._started_ray:
+            start_local_ray(self._bundles())
+        self.supervisor = Supervisor(t.call_timeout_s)
+        self.actors: list[tuple[str, Any]] = []
+        self.pids: dict[str, int] = {}
+        try:
+            self._place()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _bundles(self) -> list[dict[str, float]]:
+        t = self.config.trainer
+        gpu = {"GPU": 1.0} if t.device.startswith("cuda") else {}
+        count = t.world_size + (t.engine_replicas if t.placement == "split" else 0)
+        return [{"CPU": t.cpus_per_worker, **gpu} for _ in range(count)]
+
+    def _place(self) -> None:
+        t, a = self.config.trainer, self.config.algorithm
+        bundles = self._bundles()
+        self.group = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.group.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise RunFailed(f"Ray could not place {len(bundles)} bundles of {bundles[0]} within 120 s "
+                            f"(cluster resources: {ray.cluster_resources()})") from None
+        engine_bundle = (list(range(t.engine_replicas)) if t.placement == "colocated"
+                         else list(range(t.world_size, t.world_size + t.engine_replicas)))
+        roles: list[tuple[str, Callable[..., Any], list[int]]] = [("rollout", make_rollout, engine_bundle),
+                                                                  ("policy", make_policy, list(range(t.world_size)))]
+        if a.kl_coef > 0:
+            roles.append(("reference", make_reference, list(range(t.world_size))))
+        if a.advantage == "gae":
+            roles.append(("critic", make_critic, list(range(t.world_size))))
+        sharing = [sum(b in where for _, _, where in roles) for b in range(len(bundles))]
+        groups = {role: self._start_role(role, factory, where, sharing) for role, factory, where in roles}
+        self.rollout = groups["rollout"]
+        self.policy = WorkerGroup("policy", groups["policy"], self.supervisor,
+                                  on_policy=t.ppo_epochs == 1 and t.mini_batches == 1)
+        self.reference = WorkerGroup("reference", groups["reference"], self.supervisor) if "reference" in groups else None
+        self.critic = WorkerGroup("critic", groups["critic"], self.supervisor) if "critic" in groups else None
+        self._write_worker_table()
+
+    def _start_role(self, role: str, factory: Callable[..., Any], where: list[int], sharing: list[int]) -> list[Any]:
+        """One actor per bundle in `where`, started, watched, then set up together (they rendezvous)."""
+        t = self.config.trainer
+        actors, labels = [], []
+        for i, bundle in enumerate(where):
+            share = 1.0 / sharing[bundle]
+            actor = RoleActor.options(
+                num_cpus=t.cpus_per_worker * share, num_gpus=share if t.device.startswith("cuda") else 0,
+                max_concurrency=2,  # one slot for the sentinel
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
+            ).remote(max(1, int(t.cpus_per_worker)))
+            labels.append(f"rollout replica {i}" if role == "rollout" else f"{role} rank {i}")
+            actors.append(actor)
+            self.actors.append((labels[-1], actor))
+            self.supervisor.watch(actor, labels[-1])
+        nodes = self.supervisor.wait([a.node.remote() for a in actors], labels, "start-up")
+        self.pids.update({label: pid for label, (_, _, pid) in zip(labels, nodes)})
+        address, port, _ = nodes[0]
+        trains = role != "rollout"  # training ranks form a process group; engine replicas are independent
+        self.supervisor.wait([a.setup.remote(factory, self.config, self.tokenizer.pad_token_id, Ranks(i, len(actors)),
+                                             address, port, trains) for i, a in enumerate(actors)], labels, "set-up")
+        return actors
+
+    def _write_worker_table(self) -> None:
+        """<output_dir>/workers.json: role, rank and process id of every actor, for whoever runs the job."""
+        import json
+
+        run_dir = Path(self.config.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "workers.json").write_text(json.dumps(self.pids, indent=2))
+
+    def _rollout_call(self, method: str, *args: Any) -> list[Any]:
+        labels = [f"rollout replica {i}" for i in range(len(self.rollout))]
+        return self.supervisor.wait([a.call.remote(method, *args) for a in self.rollout], labels, method)
+
+    def collect(self, tasks: list[Task]) -> list[Trajectory]:
+        """Whole groups dealt round-robin to the replicas; results back in task order."""
+        replicas = len(self.rollout)
+        parts = [tasks[i::replicas] for i in range(replicas)]
+        labels = [f"rollout replica {i}" for i in range(replicas)]
+        results = self.supervisor.wait([a.call.remote("collect", part) for a, part in zip(self.rollout, parts)],
+                                       labels, "collect")
+        group = self.config.rollout.group_size
+        return [traj for j in range(len(tasks))
+                for traj in results[j % replicas][(j // replicas) * group:(j // replicas + 1) * group]]
+
+    def release_memory(self) -> None:
+        self._rollout_call("release_memory")
+
+    def resume_memory(self) -> None:
+        self._rollout_call("resume_memory")
+
+    def sync_weights(self, version: int) -> None:
+        t = self.config.trainer
+        self.policy.push_weights(RaySink(self.rollout, t.call_timeout_s), version, t.sync_bucket_mb << 20)
+
+    def weight_version(self) -> int:
+        return min(self._rollout_call("version"))
+
+    def rollout_rng_states(self) -> list[Any]:
+        return self._rollout_call("rng_state")
+
+    def set_rollout_rng_states(self, states: list[Any]) -> None:
+        labels = [f"rollout replica {i}" for i in range(len(self.rollout))]
+        refs = [a.call.remote("set_rng_state", state) for a, state in zip(self.rollout, states)]
+        self.supervisor.wait(refs, labels[:len(refs)], "set_rng_state")
+
+    def save_model(self, path: Path) -> None:
+        self.policy.save_pretrained(path, self.tokenizer)
+
+    def save_critic(self, path: Path) -> None:
+        self.critic.save(path)
+
+    def shutdown(self) -> None:
+        for _, actor in getattr(self, "actors", []):
+            ray.kill(actor, no_restart=True)
+        if getattr(self, "group", None) is not None:
+            remove_placement_group(self.group)
+            self.group = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def start_local_ray(bundles: list[dict[str, float]]) -> None:
+    """A Ray instance for this run only, on loopback, without usage reporting or a dashboard."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # nothing outside this machine can reach it
+    cpus = max(sum(b.get("CPU", 0.0) for b in bundles), float(os.cpu_count() or 1))
+    gpus = sum(b.get("GPU", 0.0) for b in bundles)
+    ray.init(num_cpus=int(cpus + 0.999), num_gpus=int(gpus), include_dashboard=False, namespace="agentrl",
+             _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)

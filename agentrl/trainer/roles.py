@@ -1,0 +1,172 @@
+"""The roles a training run drives (rollout, policy, reference, critic), built from the recipe, and
+the local backend that holds them all in the driver's process.
+
+`Roles` is what the driver talks to. `LocalRoles` holds one worker of each role in this process;
+`RayRoles` (trainer/launch.py) runs the same worker classes as Ray actors, one per rank or replica,
+and exposes the same calls, so the driver reads the same with either backend. The factories below
+are what an actor runs in its own process to build its worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.config import RecipeConfig
+from agentrl.models import enable_activation_checkpointing, load_model
+from agentrl.rollout.worker import LocalSink, RolloutWorker
+from agentrl.trainer.checkpoint import TRAINER_STATE, commit_checkpoint, staging_checkpoint
+from agentrl.trainer.critic import CriticWorker, ValueModel
+from agentrl.trainer.distributed import Ranks
+from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
+from agentrl.types import Task, Trajectory
+
+
+def _compute(config: RecipeConfig, ranks: Ranks) -> dict[str, Any]:
+    """bf16 settings: FSDP's mixed-precision policy when sharded, autocast otherwise."""
+    bf16 = config.trainer.bf16_autocast
+    return {"param_dtype": torch.bfloat16 if bf16 and ranks.distributed else None,
+            "bf16_autocast": bf16 and not ranks.distributed}
+
+
+def make_policy(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> PolicyWorker:
+    t, a = config.trainer, config.algorithm
+    model = load_model(config.model.path).to(t.device)
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    return PolicyWorker(
+        model, pad_id, lr=t.lr, temperature=config.rollout.temperature, weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
+        micro_batch_tokens=t.micro_batch_tokens, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+        aggregation=a.aggregation, kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator,
+        entropy_coef=a.entropy_coef, seed=config.seed, ranks=ranks, **_compute(config, ranks))
+
+
+def make_reference(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> ReferenceWorker:
+    t = config.trainer
+    return ReferenceWorker(load_model(config.model.path).to(t.device), pad_id, config.rollout.temperature,
+                           t.micro_batch_tokens, ranks, _compute(config, ranks)["param_dtype"],
+                           offload=t.device.startswith("cuda") and ranks.distributed)
+
+
+def make_critic(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> CriticWorker:
+    """From `critic.path`, or the policy's transformer with a zero value head."""
+    t, c = config.trainer, config.critic
+    value_model = ValueModel.load(c.path) if c.path else ValueModel(load_model(config.model.path).get_decoder())
+    value_model = value_model.to(t.device)
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(value_model.decoder)
+    compute = _compute(config, ranks)
+    return CriticWorker(value_model, pad_id, lr=c.lr, value_clip=c.value_clip, grad_clip=t.grad_clip,
+                        ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens,
+                        bf16_autocast=compute["bf16_autocast"], seed=config.seed, ranks=ranks,
+                        param_dtype=compute["param_dtype"])
+
+
+class Roles:
+    """The calls the driver makes; subclasses place the workers. `policy`, `reference` and
+    `critic` answer logprobs / values / update / save_state / load_state with whole-batch results."""
+
+    config: RecipeConfig
+    tokenizer: Any
+    policy: Any
+    reference: Any
+    critic: Any
+
+    def collect(self, tasks: list[Task]) -> list[Trajectory]: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+    def sync_weights(self, version: int) -> None: ...
+
+    def weight_version(self) -> int: ...
+
+    def rollout_rng_states(self) -> list[Any]: ...
+
+    def set_rollout_rng_states(self, states: list[Any]) -> None: ...
+
+    def save_model(self, path: Path) -> None: ...
+
+    def save_critic(self, path: Path) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def save_checkpoint(self, run_dir: Path, step: int, history: list[dict[str, Any]]) -> Path:
+        """checkpoints/step_<step>/: sharded policy (and critic) state, then the driver's state."""
+        staging = staging_checkpoint(run_dir, step)
+        state = {"step": step, "history": history, "torch_rng": torch.get_rng_state(),
+                 "policy": self.policy.save_state(staging / "policy"),
+                 "critic": self.critic.save_state(staging / "critic") if self.critic is not None else None,
+                 "rollout_rng": self.rollout_rng_states()}
+        torch.save(state, staging / TRAINER_STATE)
+        return commit_checkpoint(staging, self.config.trainer.keep_checkpoints)
+
+    def load_checkpoint(self, path: Path) -> tuple[int, list[dict[str, Any]]]:
+        """Restore every role from a checkpoint; returns (its step, the metrics so far)."""
+        from agentrl.errors import ConfigError
+
+        state = torch.load(path / TRAINER_STATE, weights_only=False)
+        if (state["critic"] is not None) != (self.critic is not None):
+            raise ConfigError(f"{path}: the checkpoint was written {'with' if state['critic'] else 'without'} a "
+                              "critic; algorithm.advantage must match the run that wrote it")
+        self.policy.load_state(path / "policy", state["policy"])
+        if self.critic is not None:
+            self.critic.load_state(path / "critic", state["critic"])
+        self.set_rollout_rng_states(state["rollout_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        return state["step"], state["history"]
+
+
+class LocalRoles(Roles):
+    """Every role as a plain object in this process (trainer.backend 'local')."""
+
+    def __init__(self, config: RecipeConfig, tokenizer: Any):
+        self.config, self.tokenizer = config, tokenizer
+        self.rollout = RolloutWorker(config)
+        pad_id = tokenizer.pad_token_id
+        self.policy = make_policy(config, pad_id)
+        self.reference = make_reference(config, pad_id) if config.algorithm.kl_coef > 0 else None
+        self.critic = make_critic(config, pad_id) if config.algorithm.advantage == "gae" else None
+
+    def collect(self, tasks: list[Task]) -> list[Trajectory]:
+        return self.rollout.collect(tasks)
+
+    def release_memory(self) -> None:
+        self.rollout.release_memory()
+
+    def resume_memory(self) -> None:
+        self.rollout.resume_memory()
+
+    def sync_weights(self, version: int) -> None:
+        self.policy.push_weights(LocalSink([self.rollout]), version, self.config.trainer.sync_bucket_mb << 20)
+
+    def weight_version(self) -> int:
+        return self.rollout.version()
+
+    def rollout_rng_states(self) -> list[Any]:
+        return [self.rollout.rng_state()]
+
+    def set_rollout_rng_states(self, states: list[Any]) -> None:
+        self.rollout.set_rng_state(states[0] if states else None)
+
+    def save_model(self, path: Path) -> None:
+        self.policy.save_pretrained(path, self.tokenizer)
+
+    def save_critic(self, path: Path) -> None:
+        self.critic.save(path)
+
+    def shutdown(self) -> None:
+        return None
+
+
+def start_roles(config: RecipeConfig, tokenizer: Any) -> Roles:
+    """The backend the recipe asks for (trainer.backend)."""
+    if config.trainer.backend == "ray":
+        from agentrl.trainer.launch import RayRoles  # the only module that imports ray
+
+        return RayRoles(config, tokenizer)
+    return LocalRoles(config, tokenizer)
