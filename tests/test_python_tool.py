@@ -158,6 +158,21 @@ def test_printing_100_mb_is_cut_and_killed():
     assert elapsed < 5 and metrics["python_limit_kills"] == 1.0
 
 
+@needs_bwrap
+def test_a_caller_timeout_kills_the_program_and_removes_its_directory():
+    tool = PythonTool(timeout_s=30, isolation="bwrap")
+    before = set(Path(tempfile.gettempdir()).glob("agentrl-python-*"))
+    code = "import time\ntime.sleep(60)\n"
+
+    async def abandoned() -> None:
+        await asyncio.wait_for(tool.execute("e/python", {"code": code}), 1.0)  # as ToolEnv does
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(abandoned())
+    assert set(Path(tempfile.gettempdir()).glob("agentrl-python-*")) == before
+    assert sandbox_processes("agentrl-python-") == []
+
+
 def test_no_sandbox_mode_warns_and_still_limits(capsys):
     text, metrics, _ = run("x = bytearray(10 * 1024 ** 3)", isolation="none")
     assert "agentrl: warning: the python tool runs WITHOUT a sandbox (isolation: none was configured)" in \

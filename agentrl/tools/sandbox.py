@@ -9,10 +9,10 @@ output limits are enforced from outside: past either, the whole process group is
 Isolation, chosen once per process by probing what works on the machine:
 
 - `bwrap` (bubblewrap, Debian/Ubuntu package `bubblewrap`): new user, PID, network, IPC and UTS
-  namespaces. The host's `/` is mounted read-only; `/tmp`, `/run` and the run's directory are
-  private tmpfs mounts, the directory capped at `disk_mb` (it holds the program read-only and is the
-  only writable place besides the equally capped `/tmp`). The network namespace has only its own
-  loopback, so nothing on the host or beyond is reachable. When agentrl runs as root the sandbox
+  namespaces. The host's `/` is mounted read-only; `/run`, `/tmp`, `/dev/shm` and the run's
+  directory (the working directory, holding the program read-only) are private writable tmpfs
+  mounts of at most `disk_mb` each. The network namespace has only its own loopback, so nothing
+  on the host or beyond is reachable. When agentrl runs as root the sandbox
   runs as `nobody`, so the process limit applies (the kernel exempts root from it) and root's files
   stay unreadable; the PID namespace ends every process the program started when it exits.
 - `none` (no working bubblewrap): the same limits and temporary directory, run as `nobody` when
@@ -133,9 +133,9 @@ def _command(isolation: str, python: str, workdir: Path, limits: Limits, status_
     if isolation != "bwrap":
         return launch
     size = str(limits.disk_mb * 1024 * 1024)
+    private = [arg for path in ("/run", "/tmp", "/dev/shm", str(workdir)) for arg in ("--size", size, "--tmpfs", path)]
     return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run",
-            "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", str(workdir),
+            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *private,
             "--ro-bind", program, program, "--chdir", str(workdir), *launch]
 
 
