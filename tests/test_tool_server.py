@@ -8,8 +8,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -19,7 +21,7 @@ from agentrl.errors import ConfigError
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.tools.loader import load_tools
 from agentrl.tools.parsers import parse_hermes
-from agentrl.tools.remote import RemoteTool, RemoteToolError
+from agentrl.tools.remote import RemoteTool, RemoteToolError, RemoteTools
 from agentrl.types import Task
 from tests.conftest import ScriptedEngine
 
@@ -204,6 +206,53 @@ def test_limits_on_instances_concurrency_and_call_time(tmp_path):
         assert client.post("/instances", json={"tool": "nap"}).status_code == 200
     finally:
         stop(proc)
+
+
+class FlakyHandler(BaseHTTPRequestHandler):
+    """A stand-in HTTP server answering 503 to every other create, to show the client's retry on 5xx.
+
+    `agentrl tools serve` answers 5xx only when it fails itself (or a proxy in front of it does),
+    which a test cannot provoke on purpose; everything else here is real HTTP on loopback.
+    """
+
+    creates = 0
+    schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}
+
+    def do_GET(self) -> None:
+        self.reply(200, {"tools": [self.schema]})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        FlakyHandler.creates += 1
+        self.reply(503, {"detail": "busy"}) if FlakyHandler.creates % 2 else self.reply(
+            200, {"instance_id": "abc", "error": None})
+
+    def reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_client_retries_5xx_and_connection_failures_with_backoff():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    source = RemoteTools(url, token="t", retries=2, backoff_s=0.2)
+    (echo,) = source.tools()
+    assert asyncio.run(echo.create("e/echo")) == "e/echo" and FlakyHandler.creates == 2  # 503, then 200
+    httpd.shutdown()
+    httpd.server_close()
+    started = time.perf_counter()
+    with pytest.raises(RemoteToolError, match=r"/instances: ConnectError: .* \(after 3 attempts\)$"):
+        asyncio.run(echo.create("e2/echo"))
+    assert time.perf_counter() - started >= 0.6  # waited 0.2 s, then 0.4 s
+    source.close()
 
 
 def test_serve_refuses_to_start_without_a_token(tmp_path):

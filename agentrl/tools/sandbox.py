@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,71 +149,107 @@ def _environment(workdir: Path) -> dict[str, str]:
 async def run_python(code: str, limits: Limits, isolation: str, python: str) -> RunResult:
     """Run `code` as a fresh program under `limits`; the temporary directory is gone on return."""
     workdir = Path(tempfile.mkdtemp(prefix="agentrl-python-"))
-    status_r, status_w = os.pipe()
+    pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, the launcher's status
     try:
         (workdir / "main.py").write_text(code)
         os.chmod(workdir / "main.py", 0o644)
         os.chmod(workdir, 0o755)
         if isolation != "bwrap" and os.geteuid() == 0:
             os.chown(workdir, NOBODY, NOBODY)  # without a tmpfs over it, `nobody` writes here itself
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.monotonic()
+        (out_r, out_w), (err_r, err_w), (status_r, status_w) = pipes
         proc = await asyncio.create_subprocess_exec(
             *_command(isolation, python, workdir, limits, status_w), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,), cwd=workdir,
-            env=_environment(workdir), start_new_session=True, **_user_kwargs())
-        os.close(status_w)
-        status_w = -1
-        stdout, stderr, limit, truncated = await _supervise(proc, limits)
-        status = _read_status(status_r)
-        wall_s = loop.time() - started
+            stdout=out_w, stderr=err_w, pass_fds=(status_w,), cwd=workdir, env=_environment(workdir),
+            start_new_session=True, **_user_kwargs())
+        for fd in (out_w, err_w, status_w):
+            os.close(fd)
+        pipes = []  # the write ends are closed; _supervise closes the read ends, whatever happens
+        out, err, status, limit = await _supervise(proc, limits, out_r, err_r, status_r)
+        wall_s = time.monotonic() - started
     finally:
-        for fd in (status_r, status_w):
-            if fd >= 0:
-                os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
+        for fd in (fd for pair in pipes for fd in pair):
+            os.close(fd)
     exit_code = os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
     if limit is None and sig == signal.SIGXCPU:
         limit = "cpu"
-    text_err = _text(stderr)
+    text_err = _text(err.data)
     if status is None and limit is None:  # the launcher never reported: the sandbox itself failed
         exit_code, text_err = proc.returncode, f"sandbox error (exit code {proc.returncode}): {text_err}"
-    return RunResult(_text(stdout), text_err, exit_code, sig, limit, truncated, wall_s)
+    return RunResult(_text(out.data), text_err, exit_code, sig, limit, out.cut or err.cut, wall_s)
 
 
-async def _supervise(proc: asyncio.subprocess.Process, limits: Limits) -> tuple[bytes, bytes, str | None, bool]:
-    """Wait for the program within the wall time, collecting output up to its cap; kill leftovers."""
+async def _supervise(proc: asyncio.subprocess.Process, limits: Limits, out_r: int, err_r: int,
+                     status_r: int) -> tuple[_Capture, _Capture, int | None, str | None]:
+    """Wait for the launcher's report within the wall time, collecting output up to its cap.
+
+    The status pipe reaches end-of-file when the launcher (and bubblewrap) are gone, so the wait
+    does not depend on stdout closing: a process that detached itself (possible without a PID
+    namespace) and still holds it cannot stall the call.
+    """
     overflow = asyncio.Event()
-    out, err = bytearray(), bytearray()
-    readers = [asyncio.create_task(_drain(proc.stdout, out, limits.output_bytes, overflow)),
-               asyncio.create_task(_drain(proc.stderr, err, limits.output_bytes, overflow))]
-    waiter, flooded = asyncio.create_task(proc.wait()), asyncio.create_task(overflow.wait())
+    out, err = _Capture(out_r, limits.output_bytes, overflow), _Capture(err_r, limits.output_bytes, overflow)
+    status = _Capture(status_r, 64, asyncio.Event())
+    flooded = asyncio.ensure_future(overflow.wait())
+    waiter = asyncio.ensure_future(proc.wait())
     limit = None
     try:
-        done, _ = await asyncio.wait({waiter, flooded}, timeout=limits.wall_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if waiter not in done:
+        await asyncio.wait({status.closed, flooded}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED)
+        if not status.closed.done():
             limit = "output" if overflow.is_set() else "wall"
+        _kill_group(proc.pid)  # also whatever the program left running in its group
+        await asyncio.wait({waiter, out.closed, err.closed}, timeout=2.0)  # the last output, the exit
     finally:
-        _kill_group(proc.pid)  # also whatever the program left running (the no-sandbox mode)
-        flooded.cancel()
-        await waiter
-        # Pipes close once every process holding them is gone; one escaped process cannot stall us.
-        _, pending = await asyncio.wait(readers, timeout=1.0)
-        for task in pending:
+        _kill_group(proc.pid)
+        for task in (flooded, waiter):
             task.cancel()
-    return bytes(out), bytes(err), limit, overflow.is_set()
+        for capture in (out, err, status):
+            capture.close()
+    code = bytes(status.data).strip()
+    return out, err, int(code) if code.isdigit() else None, limit
 
 
-async def _drain(stream: asyncio.StreamReader | None, buffer: bytearray, cap: int, overflow: asyncio.Event) -> None:
-    # Reads to the end even past the cap (discarding), so the pipe closes and the process can be reaped.
-    while stream is not None and (chunk := await stream.read(65536)):
-        room = cap - len(buffer)
+class _Capture:
+    """One pipe read into a capped buffer by the event loop; `closed` resolves at end-of-file.
+
+    Plain fds with `add_reader` rather than asyncio's subprocess pipes, whose exit report waits
+    for every pipe to close.
+    """
+
+    def __init__(self, fd: int, cap: int, overflow: asyncio.Event):
+        self.fd, self.cap, self.overflow = fd, cap, overflow
+        self.data, self.cut = bytearray(), False
+        self.loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future[None] = self.loop.create_future()
+        os.set_blocking(fd, False)
+        self.loop.add_reader(fd, self._read)
+
+    def _read(self) -> None:
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.close()
+            return
+        room = self.cap - len(self.data)
         if room > 0:
-            buffer += chunk[:room]
-        if len(chunk) > room:
-            overflow.set()
+            self.data += chunk[:room]
+        if len(chunk) > room:  # keep reading and discarding until the kill closes the pipe
+            self.cut = True
+            self.overflow.set()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+        if not self.closed.done():
+            self.closed.set_result(None)
 
 
 def _kill_group(pgid: int) -> None:
@@ -220,15 +257,6 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _read_status(fd: int) -> int | None:
-    os.set_blocking(fd, False)
-    try:
-        data = os.read(fd, 64)
-    except BlockingIOError:
-        return None
-    return int(data) if data.strip().isdigit() else None
 
 
 def _text(data: bytes) -> str:
