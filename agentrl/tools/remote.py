@@ -9,8 +9,9 @@ file loads, so a wrong URL, token or tool name stops the run before it starts):
 
 Calls go through httpx with a timeout per request and retries with exponential backoff on
 connection failures and 5xx answers (the server answers a failing tool with 200 and an error, so a
-5xx means the server failed and nothing ran, or a proxy did). A 4xx, a tool error, or retries
-running out raise RemoteToolError, which ToolEnv turns into an error message for the model.
+5xx means the server itself, or a proxy before it, failed). A read timeout is not retried, since
+the tool may have run. A 4xx, a tool error, or retries running out raise RemoteToolError, which
+ToolEnv turns into an error message for the model.
 
 The httpx connection pool lives on a BackgroundLoop (see there why: every rollout step runs under a
 new `asyncio.run`), opened when the file loads and closed by `close()` or at exit.
@@ -74,7 +75,8 @@ class RemoteTools:
             try:
                 response = await self._client.request(method, path, json=body)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
-                problem = f"{type(e).__name__}: {e}"  # the request never reached a tool: safe to repeat
+                # Refused, or a pooled connection the server had dropped: no tool saw the request.
+                problem = f"{type(e).__name__}: {e}"
                 continue
             except httpx.TimeoutException as e:
                 raise RemoteToolError(f"{method} {path}: no answer ({type(e).__name__})") from None

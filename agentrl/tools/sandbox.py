@@ -18,7 +18,9 @@ Isolation, chosen once per process by probing what works on the machine:
 - `none` (no working bubblewrap): the same limits and temporary directory, run as `nobody` when
   agentrl is root, otherwise as the current user (then without a process limit, since the kernel
   counts that limit over all of the user's processes). Files writable by that user, the network
-  and other processes' sockets are all reachable. A warning says so when the tool is built.
+  and other processes' sockets are all reachable, and a process that detached itself (`setsid`)
+  outlives the call; the rest of its process group is killed. A warning says so when the tool is
+  built.
 
 Not isolated in either mode: world-readable host files can be read; Unix sockets outside `/tmp` and
 `/run` that the sandbox user may write to stay reachable; there is no seccomp filter, so the kernel's
