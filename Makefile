@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup system-packages test quickstart rollout bench clean
 
-# Debian packages the tests drive for real: headless Chromium for the trajectory viewer.
-SYSTEM_PACKAGES := chromium chromium-driver
+# Debian packages the tests drive for real: headless Chromium for the trajectory viewer, bubblewrap
+# for the python tool's sandbox.
+SYSTEM_PACKAGES := chromium chromium-driver bubblewrap
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)

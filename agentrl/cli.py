@@ -88,6 +88,24 @@ def _add_inspection_commands(commands: argparse._SubParsersAction) -> None:
     doctor.set_defaults(func=_doctor)
 
 
+def _tools_serve(args: argparse.Namespace) -> int:
+    import os
+
+    token = args.token or os.environ.get("AGENTRL_TOOL_TOKEN")
+    if not token:
+        raise ConfigError("tools serve needs a bearer token: pass --token or set AGENTRL_TOOL_TOKEN")
+    limits = {"--max-concurrency": args.max_concurrency, "--max-body-bytes": args.max_body_bytes,
+              "--max-instances": args.max_instances, "--instance-ttl": args.instance_ttl,
+              "--call-timeout": args.call_timeout}
+    for option, value in limits.items():
+        if value <= 0:
+            raise ConfigError(f"{option} must be positive, got {value}")
+    from agentrl.tools.server import ServerSettings, serve
+
+    serve(args.file, args.host, args.port, ServerSettings(token, *limits.values()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="Train LLM agents on multi-turn tool use.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     listing = tools.add_parser("list", help="tools registered through the agentrl.tools entry points")
     listing.set_defaults(func=_tools_list)
     _add_inspection_commands(commands)
+    serve = tools.add_parser("serve", help="serve a tool file over HTTP (bearer token, limits, /stats)")
+    serve.add_argument("file", help="tool YAML file")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--token", help="bearer token clients must send (default: $AGENTRL_TOOL_TOKEN)")
+    serve.add_argument("--max-concurrency", type=int, default=32, help="tool calls running at once")
+    serve.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body")
+    serve.add_argument("--max-instances", type=int, default=4096, help="live tool instances at most")
+    serve.add_argument("--instance-ttl", type=float, default=600.0, help="seconds before an unused instance is released")
+    serve.add_argument("--call-timeout", type=float, default=60.0, help="seconds a tool call may take")
+    serve.set_defaults(func=_tools_serve)
     return parser
 
 

@@ -44,6 +44,13 @@ class Tool(Protocol):
     async def release(self, instance_id: str) -> None: ...
 
 
+@runtime_checkable
+class ToolSet(Protocol):
+    """One tool-file entry that stands for several tools, e.g. everything a tool server offers."""
+
+    def tools(self) -> list[Tool]: ...
+
+
 def tool_name(t: Tool) -> str:
     return t.schema["function"]["name"]
 

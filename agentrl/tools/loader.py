@@ -2,8 +2,9 @@
 
 A `class:` reference is `module:attr` (a Tool class, a `@tool` function or a plain function) or
 the name of an entry point in the `agentrl.tools` group, which is how installed packages register
-tools and how the builtin ones are found. Every problem is a ConfigError naming the file, the tool
-and the key.
+tools and how the builtin ones are found. A class whose instance is a ToolSet (it has `tools()` and
+no `execute`, like a remote tool server or an MCP server) expands into the tools it lists. Every
+problem is a ConfigError naming the file, the tool and the key.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import jsonschema
 import yaml
 
 from agentrl.errors import ConfigError
-from agentrl.tools.base import FunctionTool, Tool, function_schema
+from agentrl.tools.base import FunctionTool, Tool, ToolSet, function_schema
 
 ENTRY_POINT_GROUP = "agentrl.tools"
 ENTRY_KEYS = {"class", "config", "schema"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SECRET_RE = re.compile(r"token|secret|password|api_key", re.IGNORECASE)
 
 
 def registered_tools() -> dict[str, str]:
@@ -85,8 +87,23 @@ def check_schema(schema: Any) -> str | None:
     return None
 
 
-def build_tool(entry: Any) -> Tool:
-    """One YAML entry → a Tool. Raises ValueError with the problem (no file name)."""
+def build_tools(entry: Any) -> list[Tool]:
+    """One YAML entry → its Tool, or the tools a ToolSet entry expands into. Raises ValueError."""
+    instance = _instantiate(entry)
+    if isinstance(instance, ToolSet) and not hasattr(instance, "execute"):
+        if "schema" in entry:
+            raise ValueError("key 'schema' is for a single tool; this entry takes its tools' schemas from its source")
+        members = list(instance.tools())
+    else:
+        if "schema" in entry and not isinstance(instance, FunctionTool):
+            instance.schema = entry["schema"]
+        members = [instance]
+    for member in members:
+        _check_tool(member, entry["class"])
+    return members
+
+
+def _instantiate(entry: Any) -> Any:
     if not isinstance(entry, dict):
         raise ValueError("each tool must be a mapping with a 'class' key")
     unknown = sorted(set(entry) - ENTRY_KEYS)
@@ -100,18 +117,24 @@ def build_tool(entry: Any) -> Tool:
     obj = resolve_reference(entry["class"])
     if inspect.isclass(obj):
         try:
-            instance = obj(**config)
+            return obj(**config)
         except Exception as e:
-            raise ValueError(f"constructing {entry['class']} with config {config} failed: {e}") from None
-    elif isinstance(obj, FunctionTool) or callable(obj):
+            raise ValueError(f"constructing {entry['class']} with config {_masked(config)} failed: {e}") from None
+    if isinstance(obj, FunctionTool) or callable(obj):
         if config:
             raise ValueError("key 'config' is only for tool classes, not functions")
         # A fresh wrapper, so a schema given here never changes the shared module-level tool.
-        instance = _function_tool(obj.fn if isinstance(obj, FunctionTool) else obj, entry.get("schema"))
-    else:
-        raise ValueError(f"'{entry['class']}' is not a tool class or function")
-    if "schema" in entry and not isinstance(instance, FunctionTool):
-        instance.schema = entry["schema"]
+        return _function_tool(obj.fn if isinstance(obj, FunctionTool) else obj, entry.get("schema"))
+    raise ValueError(f"'{entry['class']}' is not a tool class or function")
+
+
+def _masked(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as an error message may show it: secrets (a server's token) replaced by '***'."""
+    return {k: "***" if _SECRET_RE.search(str(k)) and isinstance(v, str) and k != "token_env" else v
+            for k, v in config.items()}
+
+
+def _check_tool(instance: Any, ref: str) -> None:
     if getattr(instance, "schema", None) is None:
         raise ValueError("no schema: the class defines none, so the entry needs a 'schema' key")
     problem = check_schema(instance.schema)
@@ -119,8 +142,7 @@ def build_tool(entry: Any) -> Tool:
         raise ValueError(problem)
     missing = [m for m in ("create", "execute", "reward", "release") if not hasattr(instance, m)]
     if missing:
-        raise ValueError(f"'{entry['class']}' lacks the tool method(s) {', '.join(missing)}")
-    return instance
+        raise ValueError(f"'{ref}' lacks the tool method(s) {', '.join(missing)}")
 
 
 def _function_tool(fn: Any, schema: Any) -> FunctionTool:
@@ -139,14 +161,15 @@ def load_tools(path: str | Path) -> list[Tool]:
     for i, entry in enumerate(read_yaml_list(path, "tools"), start=1):
         label = _entry_label(entry, i)
         try:
-            t = build_tool(entry)
+            built = build_tools(entry)
         except ValueError as e:
             raise ConfigError(f"{path}: {label}: {e}") from None
-        name = t.schema["function"]["name"]
-        if name in seen:
-            raise ConfigError(f"{path}: tool '{name}' (#{i}): duplicate name, tool #{seen[name]} has it too")
-        seen[name] = i
-        tools.append(t)
+        for t in built:
+            name = t.schema["function"]["name"]
+            if name in seen:
+                raise ConfigError(f"{path}: tool '{name}' (#{i}): duplicate name, tool #{seen[name]} has it too")
+            seen[name] = i
+            tools.append(t)
     return tools
 
 

@@ -1,0 +1,66 @@
+"""An event loop in a daemon thread, for connections that must outlive the caller's event loops.
+
+The rollout runs every step under its own `asyncio.run`, and an asyncio connection (an httpx
+pool, an MCP session with its anyio task group) belongs to the loop that opened it: reused from the
+next step's loop it fails. Remote and MCP tools therefore open their connection once on this loop
+and every episode of every step submits its calls here with `await loop.run(coro)`; cancelling the
+caller (ToolEnv's timeout) cancels the call. `close()` runs a last coroutine (closing the
+connection), stops the loop and joins the thread; an atexit hook does it for whatever is left open.
+
+This is not a worker pool: coroutines run concurrently on one thread, so they must not block it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    """One running event loop in a daemon thread, shared by every caller loop."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._cleanup: Callable[[], Awaitable[Any]] | None = None
+        atexit.register(self.close)
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the background loop from any other loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def run_sync(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run `coro` on the background loop from plain synchronous code (construction, tests)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def on_close(self, cleanup: Callable[[], Awaitable[Any]]) -> None:
+        """A coroutine function `close()` runs on the loop before stopping it."""
+        self._cleanup = cleanup
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._cleanup is not None:
+            try:
+                self.run_sync(self._cleanup(), timeout_s)
+            except Exception:  # closing must finish even when the connection is already broken
+                pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()

@@ -1,0 +1,155 @@
+"""Tools served by `agentrl tools serve` elsewhere, used as if they were local.
+
+One tool-file entry pulls one, some or all of a server's tools (their schemas are fetched when the
+file loads, so a wrong URL, token or tool name stops the run before it starts):
+
+    tools:
+      - class: agentrl.tools.remote:RemoteTools
+        config: {url: "http://10.0.0.5:8765", token_env: AGENTRL_TOOL_TOKEN, tools: [python]}
+
+Calls go through httpx with a timeout per request and retries with exponential backoff on
+connection failures and 5xx answers (the server answers a failing tool with 200 and an error, so a
+5xx means the server itself, or a proxy before it, failed). A read timeout is not retried, since
+the tool may have run. A 4xx, a tool error, or retries running out raise RemoteToolError, which
+ToolEnv turns into an error message for the model.
+
+The httpx connection pool lives on a BackgroundLoop (see there why: every rollout step runs under a
+new `asyncio.run`), opened when the file loads and closed by `close()` or at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import httpx
+
+from agentrl.tools.background_loop import BackgroundLoop
+from agentrl.tools.base import Tool, ToolResult
+
+RETRY_STATUS = range(500, 600)
+
+
+class RemoteToolError(RuntimeError):
+    """A remote call that failed: the server refused it, the tool failed, or the server is gone."""
+
+
+class RemoteTools:
+    """A tool server as one tool-file entry; `tools()` gives one Tool per selected remote tool."""
+
+    def __init__(self, url: str, token: str | None = None, token_env: str | None = None,
+                 tools: list[str] | None = None, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
+                 retries: int = 3, backoff_s: float = 0.25):
+        if (token is None) == (token_env is None):
+            raise ValueError("give exactly one of 'token' and 'token_env' (the name of a variable holding it)")
+        if token_env is not None:
+            token = os.environ.get(token_env)
+            if not token:
+                raise ValueError(f"environment variable '{token_env}' (token_env) is not set")
+        self.url, self.retries, self.backoff_s = url.rstrip("/"), retries, backoff_s
+        self._loop = BackgroundLoop("agentrl-remote-tools")
+        timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        headers = {"Authorization": f"Bearer {token}"}
+        self._client: httpx.AsyncClient = self._loop.run_sync(_open_client(self.url, headers, timeout))
+        self._loop.on_close(self._client.aclose)
+        try:
+            offered = self._loop.run_sync(self._request("GET", "/tools"))["tools"]
+        except Exception as e:
+            self.close()
+            raise ValueError(f"cannot list the tools of {self.url}: {e}") from None
+        self._members = _select(offered, tools, self.url, self)
+
+    def tools(self) -> list[Tool]:
+        return list(self._members)
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One API call from any event loop; retried on connection errors and 5xx."""
+        return await self._loop.run(self._request(method, path, body))
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        problem = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = await self._client.request(method, path, json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+                # Refused, or a pooled connection the server had dropped: no tool saw the request.
+                problem = f"{type(e).__name__}: {e}"
+                continue
+            except httpx.TimeoutException as e:
+                raise RemoteToolError(f"{method} {path}: no answer ({type(e).__name__})") from None
+            if response.status_code in RETRY_STATUS:
+                problem = f"HTTP {response.status_code}: {_detail(response)}"
+                continue
+            if response.status_code >= 400:
+                raise RemoteToolError(f"HTTP {response.status_code}: {_detail(response)}")
+            return response.json()
+        raise RemoteToolError(f"{self.url}{path}: {problem} (after {self.retries + 1} attempts)")
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+class RemoteTool:
+    """One remote tool; maps this process's instance ids to the server's."""
+
+    def __init__(self, source: RemoteTools, schema: dict[str, Any]):
+        self.source, self.schema = source, schema
+        self.name: str = schema["function"]["name"]
+        self._remote_ids: dict[str, str] = {}
+
+    async def create(self, instance_id: str, **kwargs: Any) -> str:
+        reply = await self.source.request("POST", "/instances", {"tool": self.name, "kwargs": kwargs})
+        _raise_for(reply)
+        self._remote_ids[instance_id] = reply["instance_id"]
+        return instance_id
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
+        reply = await self.source.request("POST", f"/instances/{self._remote(instance_id)}/execute",
+                                          {"arguments": arguments})
+        _raise_for(reply)
+        return ToolResult(reply["text"], reply["reward"], reply["metrics"])
+
+    async def reward(self, instance_id: str) -> float | None:
+        reply = await self.source.request("POST", f"/instances/{self._remote(instance_id)}/reward")
+        _raise_for(reply)
+        return reply["reward"]
+
+    async def release(self, instance_id: str) -> None:
+        remote = self._remote_ids.pop(instance_id, None)
+        if remote is not None:
+            _raise_for(await self.source.request("DELETE", f"/instances/{remote}"))
+
+    def _remote(self, instance_id: str) -> str:
+        if instance_id not in self._remote_ids:
+            raise RemoteToolError(f"instance '{instance_id}' of {self.name} was never created")
+        return self._remote_ids[instance_id]
+
+
+async def _open_client(url: str, headers: dict[str, str], timeout: httpx.Timeout) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout)
+
+
+def _select(offered: list[dict[str, Any]], wanted: list[str] | None, url: str, source: RemoteTools) -> list[Tool]:
+    by_name = {schema["function"]["name"]: schema for schema in offered}
+    if wanted is None:
+        return [RemoteTool(source, schema) for schema in offered]
+    missing = [name for name in wanted if name not in by_name]
+    if missing:
+        source.close()
+        raise ValueError(f"{url} has no tool '{missing[0]}' (it has: {', '.join(sorted(by_name)) or 'none'})")
+    return [RemoteTool(source, by_name[name]) for name in wanted]
+
+
+def _raise_for(reply: dict[str, Any]) -> None:
+    if reply.get("error"):
+        raise RemoteToolError(reply["error"])
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))
+    except ValueError:
+        return response.text[:200]

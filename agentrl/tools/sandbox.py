@@ -1,0 +1,266 @@
+"""Run untrusted Python in a fresh subprocess with resource limits, in a sandbox where one exists.
+
+Every run gets its own temporary directory (created before, removed after) and a fresh interpreter
+started through a small launcher that sets the rlimits (CPU seconds, address space, file size,
+process count, no core files) on the program and reports how it ended through a pipe the program
+cannot reach, so "exit code 152" and "killed by SIGXCPU" are never confused. The wall-time and
+output limits are enforced from outside: past either, the whole process group is killed.
+
+Isolation, chosen once per process by probing what works on the machine:
+
+- `bwrap` (bubblewrap, Debian/Ubuntu package `bubblewrap`): new user, PID, network, IPC and UTS
+  namespaces. The host's `/` is mounted read-only; `/run`, `/tmp`, `/dev/shm` and the run's
+  directory (the working directory, holding the program read-only) are private writable tmpfs
+  mounts of at most `disk_mb` each. The network namespace has only its own loopback, so nothing
+  on the host or beyond is reachable. When agentrl runs as root the sandbox
+  runs as `nobody`, so the process limit applies (the kernel exempts root from it) and root's files
+  stay unreadable; the PID namespace ends every process the program started when it exits.
+- `none` (no working bubblewrap): the same limits and temporary directory, run as `nobody` when
+  agentrl is root, otherwise as the current user (then without a process limit, since the kernel
+  counts that limit over all of the user's processes). Files writable by that user, the network
+  and other processes' sockets are all reachable, and a process that detached itself (`setsid`)
+  outlives the call; the rest of its process group is killed. A warning says so when the tool is
+  built.
+
+Not isolated in either mode: world-readable host files can be read; Unix sockets outside `/tmp` and
+`/run` that the sandbox user may write to stay reachable; there is no seccomp filter, so the kernel's
+whole system-call surface is exposed; CPU is bounded in time, not in share. bubblewrap is used
+rather than hand-made `unshare`/mount code because it is a small, audited setuid-free tool that
+does exactly this set-up in one command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NOBODY = 65534
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+# Runs inside the sandbox as `python -I -S -c LAUNCHER limits.json program.py status_fd`: applies the
+# rlimits to a child, execs the program there, and writes the child's raw wait status to the pipe.
+LAUNCHER = """\
+import json, os, resource, sys
+limits, program, status_fd = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+pid = os.fork()
+if pid == 0:
+    os.close(status_fd)
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), tuple(value))
+    os.execv(sys.executable, [sys.executable, "-I", "-B", program])
+_, status = os.waitpid(pid, 0)
+os.write(status_fd, str(status).encode())
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one run may use."""
+
+    wall_s: float = 10.0
+    cpu_s: float = 5.0
+    memory_mb: int = 512  # address space (RLIMIT_AS) of each process
+    file_mb: int = 16  # largest file it may write
+    disk_mb: int = 64  # size of each writable tmpfs under bubblewrap
+    processes: int = 32  # processes and threads, the launcher's included
+    output_bytes: int = 65536  # stdout and stderr each
+
+
+@dataclass
+class RunResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when the program did not exit by itself
+    signal: int | None  # the signal that ended it, when one did
+    limit: str | None  # "wall", "output" or "cpu": the limit that stopped it
+    truncated: bool  # output went past the cap and was cut
+    wall_s: float
+
+
+@functools.cache
+def bwrap_problem() -> str | None:
+    """Why bubblewrap cannot sandbox here (None when it can): missing, or namespaces refused."""
+    binary = shutil.which("bwrap")
+    if binary is None:
+        return "bubblewrap is not installed (Debian/Ubuntu: apt-get install -y bubblewrap)"
+    probe = [binary, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
+             "--dev", "/dev", "true"]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=20, **_user_kwargs())
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bubblewrap cannot run ({e})"
+    if done.returncode != 0:
+        return f"bubblewrap cannot create namespaces here ({done.stderr.strip() or done.returncode})"
+    return None
+
+
+def resolve_python(python: str) -> str:
+    """An interpreter the sandbox can run: absolute, or found on the system PATH (not a virtualenv's)."""
+    found = python if os.path.isabs(python) else shutil.which(python, path=SAFE_PATH)
+    if not found or not os.access(found, os.X_OK):
+        raise ValueError(f"python interpreter '{python}' not found (looked on {SAFE_PATH})")
+    return found
+
+
+def _user_kwargs() -> dict[str, Any]:
+    """Popen arguments that drop root to `nobody`; nothing for an unprivileged user."""
+    return {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
+
+
+def _rlimits(limits: Limits, with_nproc: bool) -> dict[str, tuple[int, int]]:
+    mb = 1024 * 1024
+    cpu = max(1, round(limits.cpu_s))
+    values = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (limits.memory_mb * mb,) * 2,
+              "RLIMIT_FSIZE": (limits.file_mb * mb,) * 2, "RLIMIT_CORE": (0, 0)}
+    if with_nproc:
+        values["RLIMIT_NPROC"] = (limits.processes,) * 2
+    return values
+
+
+def _command(isolation: str, python: str, workdir: Path, limits: Limits, status_fd: int) -> list[str]:
+    program = str(workdir / "main.py")
+    # Inside a user namespace the process count is per sandbox; outside it only a root-started run
+    # has a uid (`nobody`) whose count is not the caller's whole session.
+    nproc = isolation == "bwrap" or os.geteuid() == 0
+    launch = [python, "-I", "-S", "-c", LAUNCHER, json.dumps(_rlimits(limits, nproc)), program, str(status_fd)]
+    if isolation != "bwrap":
+        return launch
+    size = str(limits.disk_mb * 1024 * 1024)
+    private = [arg for path in ("/run", "/tmp", "/dev/shm", str(workdir)) for arg in ("--size", size, "--tmpfs", path)]
+    return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *private,
+            "--ro-bind", program, program, "--chdir", str(workdir), *launch]
+
+
+def _environment(workdir: Path) -> dict[str, str]:
+    # A clean environment: nothing of the trainer's (tokens, paths) reaches the program.
+    return {"PATH": SAFE_PATH, "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+async def run_python(code: str, limits: Limits, isolation: str, python: str) -> RunResult:
+    """Run `code` as a fresh program under `limits`; the temporary directory is gone on return."""
+    workdir = Path(tempfile.mkdtemp(prefix="agentrl-python-"))
+    pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, the launcher's status
+    try:
+        (workdir / "main.py").write_text(code)
+        os.chmod(workdir / "main.py", 0o644)
+        os.chmod(workdir, 0o755)
+        if isolation != "bwrap" and os.geteuid() == 0:
+            os.chown(workdir, NOBODY, NOBODY)  # without a tmpfs over it, `nobody` writes here itself
+        started = time.monotonic()
+        (out_r, out_w), (err_r, err_w), (status_r, status_w) = pipes
+        proc = await asyncio.create_subprocess_exec(
+            *_command(isolation, python, workdir, limits, status_w), stdin=subprocess.DEVNULL,
+            stdout=out_w, stderr=err_w, pass_fds=(status_w,), cwd=workdir, env=_environment(workdir),
+            start_new_session=True, **_user_kwargs())
+        for fd in (out_w, err_w, status_w):
+            os.close(fd)
+        pipes = []  # the write ends are closed; _supervise closes the read ends, whatever happens
+        out, err, status, limit = await _supervise(proc, limits, out_r, err_r, status_r)
+        wall_s = time.monotonic() - started
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        for fd in (fd for pair in pipes for fd in pair):
+            os.close(fd)
+    exit_code = os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None
+    sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
+    if limit is None and sig == signal.SIGXCPU:
+        limit = "cpu"
+    text_err = _text(err.data)
+    if status is None and limit is None:  # the launcher never reported: the sandbox itself failed
+        exit_code, text_err = proc.returncode, f"sandbox error (exit code {proc.returncode}): {text_err}"
+    return RunResult(_text(out.data), text_err, exit_code, sig, limit, out.cut or err.cut, wall_s)
+
+
+async def _supervise(proc: asyncio.subprocess.Process, limits: Limits, out_r: int, err_r: int,
+                     status_r: int) -> tuple[_Capture, _Capture, int | None, str | None]:
+    """Wait for the launcher's report within the wall time, collecting output up to its cap.
+
+    The status pipe reaches end-of-file when the launcher (and bubblewrap) are gone, so the wait
+    does not depend on stdout closing: a process that detached itself (possible without a PID
+    namespace) and still holds it cannot stall the call.
+    """
+    overflow = asyncio.Event()
+    out, err = _Capture(out_r, limits.output_bytes, overflow), _Capture(err_r, limits.output_bytes, overflow)
+    status = _Capture(status_r, 64, asyncio.Event())
+    flooded = asyncio.ensure_future(overflow.wait())
+    waiter = asyncio.ensure_future(proc.wait())
+    limit = None
+    try:
+        await asyncio.wait({status.closed, flooded}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED)
+        if not status.closed.done():
+            limit = "output" if overflow.is_set() else "wall"
+        _kill_group(proc.pid)  # also whatever the program left running in its group
+        await asyncio.wait({waiter, out.closed, err.closed}, timeout=2.0)  # the last output, the exit
+    finally:
+        _kill_group(proc.pid)
+        for task in (flooded, waiter):
+            task.cancel()
+        for capture in (out, err, status):
+            capture.close()
+    code = bytes(status.data).strip()
+    return out, err, int(code) if code.isdigit() else None, limit
+
+
+class _Capture:
+    """One pipe read into a capped buffer by the event loop; `closed` resolves at end-of-file.
+
+    Plain fds with `add_reader` rather than asyncio's subprocess pipes, whose exit report waits
+    for every pipe to close.
+    """
+
+    def __init__(self, fd: int, cap: int, overflow: asyncio.Event):
+        self.fd, self.cap, self.overflow = fd, cap, overflow
+        self.data, self.cut = bytearray(), False
+        self.loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future[None] = self.loop.create_future()
+        os.set_blocking(fd, False)
+        self.loop.add_reader(fd, self._read)
+
+    def _read(self) -> None:
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.close()
+            return
+        room = self.cap - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+        if len(chunk) > room:  # keep reading and discarding until the kill closes the pipe
+            self.cut = True
+            self.overflow.set()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+

@@ -1,0 +1,268 @@
+"""`agentrl tools serve`: the tools of a tool file behind an authenticated HTTP API.
+
+FastAPI (run by uvicorn) does the routing and validates every body with pydantic; this module adds
+what a tool server shared by many rollout workers needs: a bearer token on every call but
+`/health`, a semaphore bounding tool calls in flight, a cap on request bodies (uvicorn has none),
+a cap on live instances with expiry of those a client never releases, a per-call timeout, and
+per-tool call counts, errors and latencies at `/stats`. A tool that raises or times out answers
+200 with `error` set, so a 5xx always means the server itself failed; a bad request answers 4xx with
+a one-line JSON `detail`.
+
+API (JSON): `GET /tools` → `{"tools": [schema, ...]}`; `POST /instances {"tool", "kwargs"}` →
+`{"instance_id", "error"}`; `POST /instances/{id}/execute {"arguments"}` → `{"text", "reward",
+"metrics", "error"}`; `POST /instances/{id}/reward` → `{"reward", "error"}`; `DELETE
+/instances/{id}` → `{"error"}`; `GET /stats`; `GET /health`.
+
+Not a sandbox: tools run in this process with its rights (the `python` tool brings its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import sys
+import time
+import uuid
+from collections import Counter, defaultdict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import jsonschema
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from agentrl.tools.base import Tool, ToolResult, as_text, tool_name
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    token: str
+    max_concurrency: int = 32  # tool calls running at once; more wait
+    max_body_bytes: int = 1_000_000
+    max_instances: int = 4096  # live instances; creating more answers 429
+    instance_ttl_s: float = 600.0  # an instance unused this long is released
+    call_timeout_s: float = 60.0
+
+
+class CreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tool: str
+    kwargs: dict[str, Any] = {}
+
+
+class ExecuteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    arguments: dict[str, Any]
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    errors: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        mean = self.total_s / self.calls if self.calls else 0.0
+        return {"calls": self.calls, "errors": self.errors, "mean_s": mean, "max_s": self.max_s}
+
+
+@dataclass
+class Live:
+    tool: str
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class ToolHost:
+    """The tools, their live instances, and the gate and clock every call goes through."""
+
+    def __init__(self, tools: list[Tool], settings: ServerSettings):
+        self.tools = {tool_name(t): t for t in tools}
+        self.settings = settings
+        self.instances: dict[str, Live] = {}
+        self.gate = asyncio.Semaphore(settings.max_concurrency)
+        self.stats: dict[str, dict[str, OpStats]] = defaultdict(lambda: defaultdict(OpStats))
+        self.expired = 0
+        self.responses: Counter[int] = Counter()
+
+    async def call(self, name: str, op: str, start: Callable[[], Awaitable[Any]]) -> tuple[Any, str | None]:
+        """Run one tool method under the gate and the timeout; (value, None) or (None, error)."""
+        async with self.gate:
+            started = time.perf_counter()
+            try:
+                value, error = await asyncio.wait_for(start(), self.settings.call_timeout_s), None
+            except asyncio.TimeoutError:
+                value, error = None, f"TimeoutError: {name} did not finish within {self.settings.call_timeout_s:g} s"
+            except Exception as e:
+                value, error = None, f"{type(e).__name__}: {e}"
+            elapsed = time.perf_counter() - started
+        stats = self.stats[name][op]
+        stats.calls, stats.errors = stats.calls + 1, stats.errors + (error is not None)
+        stats.total_s, stats.max_s = stats.total_s + elapsed, max(stats.max_s, elapsed)
+        return value, error
+
+    def instance(self, instance_id: str) -> Live:
+        live = self.instances.get(instance_id)
+        if live is None:
+            raise HTTPException(404, f"unknown instance '{instance_id}' (never created, released or expired)")
+        live.last_used = time.monotonic()
+        return live
+
+    async def expire(self) -> None:
+        """Release every instance idle for longer than the TTL."""
+        cutoff = time.monotonic() - self.settings.instance_ttl_s
+        for instance_id, live in list(self.instances.items()):
+            if live.last_used < cutoff and self.instances.pop(instance_id, None) is not None:
+                self.expired += 1
+                await self.call(live.tool, "release", lambda: self.tools[live.tool].release(instance_id))
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.settings.instance_ttl_s / 2, 30.0))
+            await self.expire()
+
+
+class Guard:
+    """ASGI middleware: refuses bodies over the cap with 413 and counts responses by status."""
+
+    def __init__(self, app: Any, host: ToolHost):
+        self.app, self.host = app, host
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cap = self.host.settings.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > cap:
+            response = JSONResponse({"detail": f"request body over {cap} bytes"}, status_code=413)
+            self.host.responses[413] += 1
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def capped_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > cap:  # a chunked body that declared no length
+                raise HTTPException(413, f"request body over {cap} bytes")
+            return message
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.host.responses[message["status"]] += 1
+            await send(message)
+
+        await self.app(scope, capped_receive, counting_send)
+
+
+def create_app(tools: list[Tool], settings: ServerSettings) -> FastAPI:
+    host = ToolHost(tools, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(host.sweep_forever())
+        yield
+        sweeper.cancel()
+
+    def authorized(authorization: str | None = Header(None)) -> None:
+        expected = f"Bearer {settings.token}".encode()
+        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(title="agentrl tools", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, host=host)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(Exception, _internal_error)
+    _routes(app, host, Depends(authorized))
+    app.state.host = host
+    return app
+
+
+def _routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/tools", dependencies=[auth])
+    async def list_tools() -> dict[str, Any]:
+        return {"tools": [t.schema for t in host.tools.values()]}
+
+    @app.post("/instances", dependencies=[auth])
+    async def create(body: CreateRequest) -> dict[str, Any]:
+        if body.tool not in host.tools:
+            raise HTTPException(404, f"unknown tool '{body.tool}'; available: {', '.join(sorted(host.tools))}")
+        if len(host.instances) >= host.settings.max_instances:
+            await host.expire()
+        if len(host.instances) >= host.settings.max_instances:
+            raise HTTPException(429, f"{host.settings.max_instances} instances are live; release some first")
+        instance_id = uuid.uuid4().hex
+        _, error = await host.call(body.tool, "create", lambda: host.tools[body.tool].create(instance_id, **body.kwargs))
+        if error is None:
+            host.instances[instance_id] = Live(body.tool)
+        return {"instance_id": instance_id if error is None else None, "error": error}
+
+    @app.post("/instances/{instance_id}/execute", dependencies=[auth])
+    async def execute(instance_id: str, body: ExecuteRequest) -> dict[str, Any]:
+        live = host.instance(instance_id)
+        name = live.tool
+        try:
+            jsonschema.validate(body.arguments, host.tools[name].schema["function"].get("parameters", {}))
+        except jsonschema.ValidationError as e:
+            raise HTTPException(422, f"bad arguments for {name}: {e.message}") from None
+        result, error = await host.call(name, "execute", lambda: host.tools[name].execute(instance_id, body.arguments))
+        live.last_used = time.monotonic()  # a long call does not count as idle time
+        if error is not None:
+            return {"text": "", "reward": None, "metrics": {}, "error": error}
+        if not isinstance(result, ToolResult):
+            result = ToolResult(as_text(result))
+        text = as_text(result.text)  # also escapes lone surrogates, which JSON cannot carry
+        metrics = {str(k): float(v) for k, v in result.metrics.items()}
+        reward = None if result.reward is None else float(result.reward)
+        return {"text": text, "reward": reward, "metrics": metrics, "error": None}
+
+    @app.post("/instances/{instance_id}/reward", dependencies=[auth])
+    async def reward(instance_id: str) -> dict[str, Any]:
+        name = host.instance(instance_id).tool
+        value, error = await host.call(name, "reward", lambda: host.tools[name].reward(instance_id))
+        return {"reward": None if value is None else float(value), "error": error}
+
+    @app.delete("/instances/{instance_id}", dependencies=[auth])
+    async def release(instance_id: str) -> dict[str, Any]:
+        name = host.instance(instance_id).tool
+        host.instances.pop(instance_id, None)
+        _, error = await host.call(name, "release", lambda: host.tools[name].release(instance_id))
+        return {"error": error}
+
+    @app.get("/stats", dependencies=[auth])
+    async def stats() -> dict[str, Any]:
+        return {"tools": {name: {op: s.as_dict() for op, s in ops.items()} for name, ops in host.stats.items()},
+                "live_instances": len(host.instances), "expired_instances": host.expired,
+                "responses": {str(status): n for status, n in sorted(host.responses.items())}}
+
+
+async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid"}
+    where = ".".join(str(part) for part in first["loc"])
+    return JSONResponse({"detail": f"invalid request: {where}: {first['msg']}"}, status_code=422)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    # The traceback goes to the server's log (uvicorn prints it), never to the client.
+    return JSONResponse({"detail": f"internal server error ({type(exc).__name__})"}, status_code=500)
+
+
+def serve(path: str, host: str, port: int, settings: ServerSettings) -> None:
+    """Load the tool file (ConfigError if bad) and serve it until interrupted."""
+    import uvicorn
+
+    from agentrl.tools.loader import load_tools
+
+    tools = load_tools(path)
+    app = create_app(tools, settings)
+    names = ", ".join(tool_name(t) for t in tools)
+    print(f"agentrl: serving {len(tools)} tool(s) from {path} ({names}) on http://{host}:{port}", file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

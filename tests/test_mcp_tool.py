@@ -1,0 +1,147 @@
+"""Tools from a real MCP server (tests/mcp_server.py, run as a stdio subprocess by the `mcp` SDK)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agentrl.errors import ConfigError
+from agentrl.rollout.collect import collect
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.tools.loader import load_tools
+from agentrl.tools.mcp import MCPTool, MCPTools
+from agentrl.tools.parsers import parse_hermes
+from agentrl.types import Completion, SamplingParams, Task
+from tests.conftest import ScriptedEngine
+
+
+def mcp_file(tmp_path: Path, allow: list[str], marker: str) -> Path:
+    path = tmp_path / "mcp.yaml"
+    # The marker argument (ignored by the server) lets the test find the server process.
+    command = [sys.executable, "tests/mcp_server.py", marker]
+    path.write_text(json.dumps({"tools": [{"class": "agentrl.tools.mcp:MCPTools",
+                                           "config": {"command": command, "allow": allow}}]}))
+    return path
+
+
+def server_running(marker: str) -> bool:
+    """Whether a process with `marker` in its command line exists (read from /proc: no procps needed)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                return True
+        except OSError:  # the process ended while we looked
+            pass
+    return False
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_episodes_call_an_mcp_tool_across_event_loops(tmp_path, tokenizer):
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    tools = load_tools(mcp_file(tmp_path, ["multiply", "calls_so_far"], marker))
+    multiply, calls_so_far = tools
+    assert isinstance(multiply, MCPTool) and multiply.schema == {"type": "function", "function": {
+        "name": "multiply", "description": "Multiply two integers.\n\nArgs:\n    a: The first factor.\n    b: The second factor.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]}}}
+
+    # Step 1 (its own asyncio.run, as in training): four concurrent episodes call multiply, and one
+    # tries the tool the allow-list hides.
+    turns = [call("multiply", a=123, b=456 + i) for i in range(3)] + [call("delete_everything", confirm=True)]
+    runner = EpisodeRunner(ByPrompt(tokenizer, turns), tokenizer, tools, parse_hermes, EpisodeSettings())
+    tasks = [Task(id=str(i), prompt=f"episode-{i}") for i in range(4)]
+    trajectories = asyncio.run(collect(runner, tasks, group_size=1, max_concurrent=4))
+    replies = [next(m["content"] for m in t.messages if m["role"] == "tool") for t in trajectories]
+    assert replies == ["56088", "56211", "56334",
+                       "Error: unknown tool 'delete_everything'; available: calls_so_far, multiply."]
+    prompt = tokenizer.decode(trajectories[0].token_ids)
+    assert '"name": "multiply"' in prompt and "delete_everything" not in prompt
+
+    # Step 2, a new event loop: the same session and server process answer, having seen 3 calls.
+    engine2 = ScriptedEngine(tokenizer, [call("calls_so_far"), "Three."])
+    runner2 = EpisodeRunner(engine2, tokenizer, tools, parse_hermes, EpisodeSettings())
+    traj = asyncio.run(runner2.run(Task(id="t", prompt="How many?"), group_id="g"))
+    assert traj.messages[2] == {"role": "tool", "name": "calls_so_far", "content": "3"}
+    assert traj.finish == "stop" and traj.metrics["tool_errors"] == 0
+
+    # A result the server flags as an error reaches the model as a tool error.
+    engine3 = ScriptedEngine(tokenizer, [call("multiply", a=10**9, b=10**9), "Sorry."])
+    traj = asyncio.run(EpisodeRunner(engine3, tokenizer, tools, parse_hermes, EpisodeSettings())
+                       .run(Task(id="t", prompt="?"), group_id="g"))
+    assert traj.messages[2]["content"] == ("Error: multiply failed: MCPToolError: "
+                                           "Error executing tool multiply: 1000000000 * 1000000000 is too large")
+    assert traj.metrics["tool_errors"] == 1
+
+    assert server_running(marker)
+    multiply.source.close()
+    deadline = time.monotonic() + 10
+    while server_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not server_running(marker)  # closing the session stopped the server
+
+
+def test_allow_list_name_the_server_lacks_is_a_config_error(tmp_path):
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    path = mcp_file(tmp_path, ["multiply", "rm_rf"], marker)
+    with pytest.raises(ConfigError) as e:
+        load_tools(path)
+    command = shlex.join([sys.executable, "tests/mcp_server.py", marker])
+    assert str(e.value) == (
+        f"{path}: tool #1 (class 'agentrl.tools.mcp:MCPTools'): constructing agentrl.tools.mcp:MCPTools with config "
+        f"{{'command': {[sys.executable, 'tests/mcp_server.py', marker]}, 'allow': ['multiply', 'rm_rf']}} failed: "
+        f"allow-list names 'rm_rf', which the MCP server {command} does not offer "
+        "(it offers: calls_so_far, delete_everything, multiply)")
+    time.sleep(0.5)
+    assert not server_running(marker)  # the connection opened to check was closed again
+
+
+def test_tools_from_an_mcp_server_over_http():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "tests/mcp_server.py", "--http", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        source = MCPTools(allow=["multiply"], url=f"http://127.0.0.1:{port}/mcp")
+        (multiply,) = source.tools()
+        for _ in range(2):  # two event loops, one session
+            assert asyncio.run(multiply.execute("e/multiply", {"a": 12, "b": 34})).text == "408"
+        source.close()
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+class ByPrompt:
+    """Answers episode N ('episode-N' in its prompt) with turn N, and with 'Done.' once a tool replied.
+
+    Concurrent episodes reach the engine in any order; keying the reply by prompt keeps each exact.
+    """
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.tokenizer, self.turns = tokenizer, turns
+        self.weight_version = 0
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
+        text = self.tokenizer.decode(token_ids)
+        reply = "Done." if "<|im_start|>tool" in text else self.turns[int(text.split("episode-")[1][0])]
+        ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [2]
+        return Completion(ids, [-0.01] * len(ids), "stop", 0)

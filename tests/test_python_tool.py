@@ -1,0 +1,230 @@
+"""The `python` tool runs real programs in a real bubblewrap sandbox: each escape attempt is contained
+and reported to the model, and nothing is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.errors import ConfigError
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.tools.builtin.python_exec import PythonTool
+from agentrl.tools.loader import load_tools
+from agentrl.tools.parsers import parse_hermes
+from agentrl.tools.sandbox import bwrap_problem
+from agentrl.types import Task
+from tests.conftest import ScriptedEngine
+
+needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"{bwrap_problem()}")
+
+
+def run(code: str, **config) -> tuple[str, dict[str, float], float]:
+    config.setdefault("isolation", "bwrap")
+    tool = PythonTool(**{"timeout_s": 2, "cpu_s": 1, "memory_mb": 256, "max_processes": 16, **config})
+    started = time.perf_counter()
+    result = asyncio.run(tool.execute("episode/python", {"code": textwrap.dedent(code)}))
+    return result.text, result.metrics, time.perf_counter() - started
+
+
+def sandbox_processes(marker: str) -> list[int]:
+    """Host pids whose command line mentions `marker` (the program's path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # the process ended while we looked
+            pass
+    return found
+
+
+def survivors(marker: str, wait_s: float = 5.0) -> list[int]:
+    """Processes still matching `marker` after up to `wait_s` (SIGKILLed ones take a moment to go)."""
+    deadline = time.monotonic() + wait_s
+    while sandbox_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sandbox_processes(marker)
+
+
+@needs_bwrap
+def test_normal_computation_and_its_directory_is_removed():
+    text, metrics, _ = run("""
+        import os
+        open("data.txt", "w").write("6 7")
+        a, b = map(int, open("data.txt").read().split())
+        print(a * b, sum(i * i for i in range(1000)))
+        print(os.getcwd())
+        """)
+    head, cwd = text.rsplit("\n", 2)[:2]
+    assert head == "exit: exit code 0\n--- stdout ---\n42 332833500"
+    assert Path(cwd).name.startswith("agentrl-python-") and str(Path(cwd).parent) == tempfile.gettempdir()
+    assert not Path(cwd).exists()  # created for the run, gone afterwards
+    assert metrics == {"python_runs": 1.0, "python_failed": 0.0, "python_limit_kills": 0.0,
+                       "python_unsandboxed": 0.0}
+
+
+@needs_bwrap
+def test_writing_outside_its_directory_is_refused(tmp_path):
+    # A world-writable host directory: only the read-only mount stops `nobody` from writing here.
+    outside = Path(tempfile.mkdtemp(prefix="agentrl-outside-", dir="/var/tmp"))
+    outside.chmod(0o777)
+    try:
+        text, _, _ = run(f"""
+            for path in ["{outside}/escape.txt", "{tmp_path}/escape.txt", "/etc/escape.txt"]:
+                try:
+                    open(path, "w").write("escaped")
+                    print("wrote", path)
+                except OSError as e:
+                    print(type(e).__name__, e.strerror)
+            """)
+        assert text == ("exit: exit code 0\n--- stdout ---\n"
+                        "OSError Read-only file system\n"  # /var/tmp: visible, read-only
+                        "FileNotFoundError No such file or directory\n"  # the host's /tmp is not visible
+                        "OSError Read-only file system\n")
+        assert list(outside.iterdir()) == [] and list(tmp_path.iterdir()) == []
+        assert not Path("/etc/escape.txt").exists()
+    finally:
+        os.rmdir(outside)
+
+
+@needs_bwrap
+def test_connecting_to_a_listener_on_the_host_loopback_fails():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        text, _, _ = run(f"""
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=1)
+                print("connected")
+            except OSError as e:
+                print(type(e).__name__)
+            """)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nobody knocked
+            listener.accept()
+    # The sandbox has a loopback of its own, with nothing listening on it.
+    assert text == "exit: exit code 0\n--- stdout ---\nConnectionRefusedError\n"
+
+
+@needs_bwrap
+def test_fork_bomb_is_capped_and_cleaned_up():
+    text, metrics, elapsed = run("""
+        import os, time
+        main, started = os.getpid(), time.time()
+        while time.time() - started < 1.0:  # every process forks for a second
+            try:
+                os.fork()
+            except OSError:
+                pass
+        if os.getpid() == main:
+            print(len([p for p in os.listdir("/proc") if p.isdigit()]), os.path.abspath(__file__))
+        else:
+            time.sleep(30)
+        """, timeout_s=4)
+    head, count_and_path = text.split("\n--- stdout ---\n")
+    count, program = count_and_path.split()
+    assert head == "exit: exit code 0"
+    # Sandbox init, launcher, program and its children: never more than max_processes.
+    assert 8 <= int(count) <= 16
+    assert elapsed < 4 and survivors(program) == []  # the sleeping children died with it
+
+
+@needs_bwrap
+def test_allocating_10_gb_hits_the_memory_limit():
+    text, metrics, _ = run("x = bytearray(10 * 1024 ** 3)")
+    assert text.startswith("exit: exit code 1 (MemoryError: the memory limit is 256 MB)\n--- stderr ---\n")
+    assert text.endswith("\nMemoryError\n") and metrics["python_failed"] == 1.0
+
+
+@needs_bwrap
+def test_infinite_loop_hits_the_cpu_limit_and_sleeping_hits_the_wall_limit():
+    text, metrics, elapsed = run("while True:\n    pass\n", timeout_s=10)
+    assert text == "exit: killed: CPU-time limit of 1 s\n(no output)" and elapsed < 10
+    assert metrics["python_limit_kills"] == 1.0
+    text, _, elapsed = run("import time\nprint('start', flush=True)\ntime.sleep(60)\n", timeout_s=1)
+    assert text == "exit: killed: wall-time limit of 1 s\n--- stdout ---\nstart\n" and elapsed < 5
+
+
+@needs_bwrap
+def test_printing_100_mb_is_cut_and_killed():
+    text, metrics, elapsed = run("""
+        import sys
+        for _ in range(100):
+            sys.stdout.write("x" * 1_000_000)
+        """, max_output_bytes=5000)
+    assert text == "exit: killed: output limit of 5000 bytes (output cut)\n--- stdout ---\n" + "x" * 5000
+    assert elapsed < 5 and metrics["python_limit_kills"] == 1.0
+
+
+@needs_bwrap
+def test_a_caller_timeout_kills_the_program_and_removes_its_directory():
+    tool = PythonTool(timeout_s=30, isolation="bwrap")
+    before = set(Path(tempfile.gettempdir()).glob("agentrl-python-*"))
+    code = "import time\ntime.sleep(60)\n"
+
+    async def abandoned() -> None:
+        await asyncio.wait_for(tool.execute("e/python", {"code": code}), 1.0)  # as ToolEnv does
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(abandoned())
+    assert set(Path(tempfile.gettempdir()).glob("agentrl-python-*")) == before
+    assert survivors("agentrl-python-") == []  # cancellation returns at once; SIGKILL needs a moment
+
+
+def test_no_sandbox_mode_warns_and_still_limits(capsys):
+    text, metrics, _ = run("x = bytearray(10 * 1024 ** 3)", isolation="none")
+    assert "agentrl: warning: the python tool runs WITHOUT a sandbox (isolation: none was configured)" in \
+        capsys.readouterr().err
+    assert text.startswith("exit: exit code 1 (MemoryError: the memory limit is 256 MB)")
+    assert metrics["python_unsandboxed"] == 1.0
+
+
+def test_no_sandbox_mode_does_not_hang_on_a_detached_process():
+    # Without a PID namespace a detached child outlives the call (as documented), but the call returns.
+    text, _, elapsed = run("""
+        import os, sys, time
+        if os.fork() == 0:
+            os.setsid()
+            print(os.getpid(), flush=True)
+            time.sleep(30)
+        time.sleep(0.3)
+        """, isolation="none", timeout_s=5)
+    detached = int(text.split("--- stdout ---\n")[1])
+    try:
+        assert text.startswith("exit: exit code 0\n") and elapsed < 5
+    finally:
+        os.kill(detached, 9)
+
+
+def test_bad_configuration_names_the_file_and_value(tmp_path):
+    path = tmp_path / "python.yaml"
+    path.write_text("tools:\n  - class: agentrl.tools.builtin.python_exec:PythonTool\n"
+                    "    config: {isolation: docker}\n")
+    with pytest.raises(ConfigError) as e:
+        load_tools(path)
+    assert str(e.value) == (f"{path}: tool #1 (class 'agentrl.tools.builtin.python_exec:PythonTool'): constructing "
+                            "agentrl.tools.builtin.python_exec:PythonTool with config {'isolation': 'docker'} failed: "
+                            "isolation must be auto, bwrap or none, not 'docker'")
+
+
+@needs_bwrap
+def test_episode_with_the_repository_tool_file(tokenizer):
+    (tool,) = load_tools("tool_configs/python.yaml")
+    assert isinstance(tool, PythonTool) and tool.isolation == "bwrap"
+    call = {"name": "python", "arguments": {"code": "print(2 ** 100)"}}
+    engine = ScriptedEngine(tokenizer, [f"<tool_call>\n{json.dumps(call)}\n</tool_call>", "Done."])
+    runner = EpisodeRunner(engine, tokenizer, [tool], parse_hermes, EpisodeSettings())
+    traj = asyncio.run(runner.run(Task(id="t", prompt="2**100?"), group_id="g"))
+    assert traj.messages[2] == {"role": "tool", "name": "python",
+                                "content": "exit: exit code 0\n--- stdout ---\n1267650600228229401496703205376\n"}
+    assert traj.finish == "stop" and traj.metrics["python_runs"] == 1.0

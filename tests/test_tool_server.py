@@ -1,0 +1,264 @@
+"""`agentrl tools serve` as a real subprocess on loopback, called through RemoteTools and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentrl.errors import ConfigError
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.tools.loader import load_tools
+from agentrl.tools.parsers import parse_hermes
+from agentrl.tools.remote import RemoteTool, RemoteToolError, RemoteTools
+from agentrl.types import Task
+from tests.conftest import ScriptedEngine
+
+TOKEN = "test-token-5f1c"
+TOOLS_YAML = """\
+tools:
+  - class: calculator
+  - class: agentrl.tools.builtin.gsm8k:CheckAnswer
+  - class: tests.served_tools:explode
+  - class: tests.served_tools:nap
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path: Path, *options: str, env_token: str | None = TOKEN) -> tuple[subprocess.Popen, str]:
+    tools = tmp_path / "served.yaml"
+    tools.write_text(TOOLS_YAML)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env.pop("AGENTRL_TOOL_TOKEN", None)
+    if env_token:
+        env["AGENTRL_TOOL_TOKEN"] = env_token
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "tools", "serve", str(tools), "--host", "127.0.0.1",
+                             "--port", str(port), *options], env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.communicate()[1]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    proc, url = start_server(tmp_path_factory.mktemp("server"))
+    yield url
+    stop(proc)
+
+
+def remote_file(tmp_path: Path, url: str, **config) -> Path:
+    path = tmp_path / "remote.yaml"
+    entry = {"class": "agentrl.tools.remote:RemoteTools", "config": {"url": url, "token_env": "AGENTRL_TEST_TOKEN", **config}}
+    path.write_text(json.dumps({"tools": [entry]}))  # JSON is YAML
+    return path
+
+
+def api(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+
+
+def test_remote_tools_behave_like_local_ones(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRL_TEST_TOKEN", TOKEN)
+    every = load_tools(remote_file(tmp_path, server))
+    assert [t.schema["function"]["name"] for t in every] == ["calculator", "check_answer", "explode", "nap"]
+    (check,) = load_tools(remote_file(tmp_path, server, tools=["check_answer"]))
+    assert isinstance(check, RemoteTool) and check.schema["function"]["parameters"]["required"] == ["answer"]
+
+    async def lifecycle():
+        await check.create("ep1/check_answer", ground_truth="#### 72")
+        wrong, right = [await check.execute("ep1/check_answer", {"answer": a}) for a in ("71", "72")]
+        final = await check.reward("ep1/check_answer")
+        await check.release("ep1/check_answer")
+        await every[2].create("ep1/explode")
+        with pytest.raises(RemoteToolError, match=r"^RuntimeError: boom: why$"):
+            await every[2].execute("ep1/explode", {"reason": "why"})
+        await every[2].release("ep1/explode")
+        return wrong, right, final
+
+    wrong, right, final = asyncio.run(lifecycle())
+    assert (wrong.text, wrong.reward, right.text, right.reward, final) == (
+        "Incorrect. Check your work and try again.", 0.0, "Correct.", 1.0, 1.0)
+    assert right.metrics == {"answer_correct": 1.0}
+    stats = api(server).get("/stats").json()["tools"]
+    assert stats["explode"]["execute"]["calls"] >= 1 and stats["explode"]["execute"]["errors"] >= 1
+    assert stats["check_answer"]["reward"]["calls"] >= 1 and stats["check_answer"]["reward"]["errors"] == 0
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    client, before = api(server), api(server).get("/stats").json()["responses"]
+
+    def still_serving() -> None:
+        created = client.post("/instances", json={"tool": "calculator"}).json()
+        reply = client.post(f"/instances/{created['instance_id']}/execute", json={"arguments": {"expression": "6*7"}})
+        assert reply.json() == {"text": "42", "reward": None, "metrics": {}, "error": None}
+        assert client.delete(f"/instances/{created['instance_id']}").json() == {"error": None}
+
+    refusals = [
+        (httpx.get(f"{server}/tools"), 401, "missing or wrong bearer token"),
+        (httpx.get(f"{server}/tools", headers={"Authorization": "Bearer wrong"}), 401, "missing or wrong bearer token"),
+        (client.post("/instances", content=b'{"tool": ', headers={"Content-Type": "application/json"}), 422,
+         "invalid request: body.9: JSON decode error"),
+        (client.post("/instances", content=b"x" * 10_000_000), 413, "request body over 1000000 bytes"),
+        (client.post("/instances/0123abc/execute", json={"arguments": {}}), 404,
+         "unknown instance '0123abc' (never created, released or expired)"),
+        (client.post("/instances", json={"tool": "calculator", "extra": 1}), 422,
+         "invalid request: body.extra: Extra inputs are not permitted"),
+        (client.post("/instances", json={"tool": "search"}), 404,
+         "unknown tool 'search'; available: calculator, check_answer, explode, nap"),
+    ]
+    for response, status, detail in refusals:
+        assert (response.status_code, response.json()) == (status, {"detail": detail})
+        still_serving()
+    after = client.get("/stats").json()["responses"]
+    delta = {code: after.get(code, 0) - before.get(code, 0) for code in ("401", "404", "413", "422")}
+    assert delta == {"401": 2, "404": 2, "413": 1, "422": 2}
+
+
+def test_wrong_token_in_the_tool_file_is_a_config_error(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRL_TEST_TOKEN", "not-the-token")
+    path = remote_file(tmp_path, server)
+    with pytest.raises(ConfigError) as e:
+        load_tools(path)
+    assert str(e.value) == (
+        f"{path}: tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools "
+        f"with config {{'url': '{server}', 'token_env': 'AGENTRL_TEST_TOKEN'}} failed: cannot list the tools of "
+        f"{server}: HTTP 401: missing or wrong bearer token")
+
+
+def test_a_literal_token_never_appears_in_errors(tmp_path):
+    path = tmp_path / "remote.yaml"
+    path.write_text("tools:\n  - class: agentrl.tools.remote:RemoteTools\n"
+                    "    config: {url: 'http://127.0.0.1:9', token: hunter2, tools: nope, bogus: 1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_tools(path)
+    assert "hunter2" not in str(e.value) and "'token': '***'" in str(e.value)
+
+
+def test_episode_through_the_remote_tools(server, tmp_path, monkeypatch, tokenizer):
+    monkeypatch.setenv("AGENTRL_TEST_TOKEN", TOKEN)
+    tools = load_tools(remote_file(tmp_path, server, tools=["calculator", "check_answer"]))
+    live_before = api(server).get("/stats").json()["live_instances"]
+    calls = [{"name": "calculator", "arguments": {"expression": "1234 * 5678"}},
+             {"name": "check_answer", "arguments": {"answer": "7006652"}}]
+    turn = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    engine = ScriptedEngine(tokenizer, [turn, "The answer is 7006652."])
+    runner = EpisodeRunner(engine, tokenizer, tools, parse_hermes,
+                           EpisodeSettings(tool_step_rewards=True, tool_final_rewards=True))
+    traj = asyncio.run(runner.run(Task(id="t", prompt="1234 * 5678?", answer="#### 7006652"), group_id="g"))
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["7006652", "Correct."]
+    assert traj.reward == 2.0 and traj.metrics["tool_errors"] == 0 and traj.finish == "stop"
+    assert api(server).get("/stats").json()["live_instances"] == live_before  # the episode released both
+
+
+def test_limits_on_instances_concurrency_and_call_time(tmp_path):
+    proc, url = start_server(tmp_path, "--max-instances", "2", "--instance-ttl", "2", "--max-concurrency", "1",
+                             "--call-timeout", "1")
+    try:
+        client = api(url)
+        first, second = [client.post("/instances", json={"tool": "nap"}).json()["instance_id"] for _ in range(2)]
+        third = client.post("/instances", json={"tool": "nap"})
+        assert (third.status_code, third.json()) == (429, {"detail": "2 instances are live; release some first"})
+
+        async def two_naps() -> list[str]:
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+                replies = await asyncio.gather(*(c.post(f"/instances/{i}/execute", json={"arguments": {"seconds": 0.5}})
+                                                 for i in (first, second)))
+            return [r.json()["text"] for r in replies]
+
+        started = time.perf_counter()
+        assert asyncio.run(two_naps()) == ["slept 0.5 s", "slept 0.5 s"]
+        assert time.perf_counter() - started >= 1.0  # one at a time
+        slow = client.post(f"/instances/{first}/execute", json={"arguments": {"seconds": 5}}).json()
+        assert slow["error"] == "TimeoutError: nap did not finish within 1 s"
+        deadline = time.monotonic() + 10  # unused for the 2 s TTL: both are released by the server
+        while client.get("/stats").json()["live_instances"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.get("/stats").json()["expired_instances"] == 2
+        assert client.post("/instances", json={"tool": "nap"}).status_code == 200
+    finally:
+        stop(proc)
+
+
+class FlakyHandler(BaseHTTPRequestHandler):
+    """A stand-in HTTP server answering 503 to every other create, to show the client's retry on 5xx.
+
+    `agentrl tools serve` answers 5xx only when it fails itself (or a proxy in front of it does),
+    which a test cannot provoke on purpose; everything else here is real HTTP on loopback.
+    """
+
+    creates = 0
+    schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}
+
+    def do_GET(self) -> None:
+        self.reply(200, {"tools": [self.schema]})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        FlakyHandler.creates += 1
+        self.reply(503, {"detail": "busy"}) if FlakyHandler.creates % 2 else self.reply(
+            200, {"instance_id": "abc", "error": None})
+
+    def reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_client_retries_5xx_and_connection_failures_with_backoff():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    source = RemoteTools(url, token="t", retries=2, backoff_s=0.2)
+    (echo,) = source.tools()
+    assert asyncio.run(echo.create("e/echo")) == "e/echo" and FlakyHandler.creates == 2  # 503, then 200
+    httpd.shutdown()
+    httpd.server_close()
+    started = time.perf_counter()
+    with pytest.raises(RemoteToolError, match=r"/instances: ConnectError: .* \(after 3 attempts\)$"):
+        asyncio.run(echo.create("e2/echo"))
+    assert time.perf_counter() - started >= 0.6  # waited 0.2 s, then 0.4 s
+    source.close()
+
+
+def test_serve_refuses_to_start_without_a_token(tmp_path):
+    (tmp_path / "t.yaml").write_text(TOOLS_YAML)
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_TOOL_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "tools", "serve", str(tmp_path / "t.yaml")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "agentrl: error: tools serve needs a bearer token: pass --token or set AGENTRL_TOOL_TOKEN\n"
