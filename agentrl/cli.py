@@ -31,6 +31,22 @@ def _recipe_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from agentrl.config import load_recipe
+
+    config = load_recipe(args.recipe, args.overrides)  # a bad recipe stops before the model loads
+    from agentrl.serve.server import run_serve
+
+    run_serve(config, args.host, args.port)
+    return 0
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number (0-65535; 0 picks a free one)")
+    return int(text)
+
+
 def _tools_check(args: argparse.Namespace) -> int:
     from agentrl.tools.loader import load_tools
 
@@ -114,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("recipe", help="recipe YAML file")
         command.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.group_size=8")
         command.set_defaults(func=_recipe_command)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible chat endpoint on the recipe's model")
+    serve.add_argument("recipe", help="recipe YAML file")
+    serve.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.temperature=0.7")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000; 0: a free one)")
+    serve.set_defaults(func=_serve)
     tools = commands.add_parser("tools", help="inspect tools").add_subparsers(dest="tools_command", required=True)
     check = tools.add_parser("check", help="validate tool YAML files and print each tool's schema")
     check.add_argument("files", nargs="+")

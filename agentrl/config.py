@@ -59,6 +59,8 @@ class RolloutConfig(_Section):
     max_new_tokens_per_turn: int = Field(256, ge=1, description="Tokens one assistant turn may sample.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    agent: str | None = Field(None, description="Agent function 'module:attr' run against the OpenAI-compatible "
+                                                "endpoint instead of the builtin loop (null: builtin).")
 
 
 class EngineConfig(_Section):

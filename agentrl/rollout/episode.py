@@ -57,7 +57,7 @@ class EpisodeRunner:
         self.settings = settings
         self.interaction_factory = interaction_factory
         self.reward_fn = reward_fn
-        self.stop_ids = tuple({tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None})
+        self.stop_ids = stop_token_ids(tokenizer)
 
     async def run(self, task: Task, group_id: str) -> Trajectory:
         """One episode; any unexpected failure ends it with finish='error', never raises."""
@@ -142,15 +142,24 @@ class EpisodeRunner:
                              "tool_final_reward": tool_final, "interaction_score": sum(scores)})
 
     def _outcome(self, task: Task, messages: list[dict[str, Any]]) -> float:
-        """The reward function's value; one that is not a finite number fails the episode, which
-        keeps it out of training (a NaN would poison every advantage of its group)."""
-        if self.reward_fn is None:
-            return 0.0
-        value = self.reward_fn(task, messages)
-        try:
-            number = float(value) if not isinstance(value, (str, bytes)) else math.nan
-        except (TypeError, ValueError):
-            number = math.nan
-        if not math.isfinite(number):
-            raise ValueError(f"the reward function returned {value!r}, not a finite number")
-        return number
+        return outcome_reward(self.reward_fn, task, messages)
+
+
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end an assistant turn: the tokenizer's end of sequence and ChatML's <|im_end|>."""
+    return tuple({tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None})
+
+
+def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[str, Any]]) -> float:
+    """The reward function's value; one that is not a finite number fails the episode, which
+    keeps it out of training (a NaN would poison every advantage of its group)."""
+    if reward_fn is None:
+        return 0.0
+    value = reward_fn(task, messages)
+    try:
+        number = float(value) if not isinstance(value, (str, bytes)) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise ValueError(f"the reward function returned {value!r}, not a finite number")
+    return number

@@ -1,4 +1,4 @@
-"""A recipe → a ready EpisodeRunner and its tasks, and `agentrl rollout` end to end.
+"""A recipe → a ready EpisodeRunner (or AgentRunner) and its tasks, and `agentrl rollout` end to end.
 
 Everything the user wrote (tool files, interaction, reward function, data settings) is loaded and
 checked before the model is, so a mistake costs no model load.
@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl.config import RecipeConfig, to_yaml
 from agentrl.errors import ConfigError
@@ -25,6 +25,9 @@ from agentrl.rollout.hf_engine import HFEngine
 from agentrl.tools.loader import load_tool_files
 from agentrl.tools.parsers import get_parser
 from agentrl.types import Task
+
+if TYPE_CHECKING:
+    from agentrl.serve.agent import AgentRunner
 
 
 def load_tasks(config: RecipeConfig, files_key: str = "data.files") -> list[Task]:
@@ -66,19 +69,39 @@ def load_driver_parts(config: RecipeConfig) -> tuple[list[Task], Any]:
     task pool and the tokenizer."""
     tools, _, _ = load_user_parts(config)
     tasks = load_tasks(config)
-    return tasks, load_tokenizer(config.model.path, config.model.chat_template, needs_tools=bool(tools))
+    return tasks, load_tokenizer(config.model.path, config.model.chat_template,
+                                 needs_tools=bool(tools) or config.rollout.agent is not None)
 
 
-def build_runner(config: RecipeConfig, engine: HFEngine | None = None, files_key: str = "data.files",
-                 with_tasks: bool = True) -> tuple[EpisodeRunner, list[Task]]:
-    """User files first (cheap, fail fast), then the tokenizer, the model and the engine."""
-    tools, interaction, reward_fn = load_user_parts(config)
-    tasks = load_tasks(config, files_key) if with_tasks else []
-    tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=bool(tools))
+def load_policy(config: RecipeConfig, engine: HFEngine | None = None,
+                needs_tools: bool = False) -> tuple[Any, HFEngine]:
+    """The tokenizer with the recipe's chat template, and the engine on the recipe's model (unless
+    one is given)."""
+    tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=needs_tools)
     if engine is None:
         model = load_model(config.model.path, config.model.dtype).to(config.engine.device)
         engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=config.engine.max_batch_size,
                           seed=config.engine.seed)
+    return tokenizer, engine
+
+
+def build_runner(config: RecipeConfig, engine: HFEngine | None = None, files_key: str = "data.files",
+                 with_tasks: bool = True) -> tuple[EpisodeRunner | AgentRunner, list[Task]]:
+    """User files first (cheap, fail fast), then the tokenizer, the model and the engine. With
+    `rollout.agent` the runner is an AgentRunner: the agent function against the endpoint."""
+    tools, interaction, reward_fn = load_user_parts(config)
+    agent = None
+    if config.rollout.agent:
+        from agentrl.serve.agent import load_agent  # the HTTP stack only when an agent needs it
+
+        agent = load_agent(config)
+    tasks = load_tasks(config, files_key) if with_tasks else []
+    tokenizer, engine = load_policy(config, engine, needs_tools=bool(tools) or agent is not None)
+    if agent is not None:
+        from agentrl.serve.agent import AgentRunner
+
+        return AgentRunner(agent, engine, tokenizer, tools, get_parser(config.rollout.parser),
+                           episode_settings(config), reward_fn, model_name=config.model.path), tasks
     runner = EpisodeRunner(engine, tokenizer, tools, get_parser(config.rollout.parser), episode_settings(config),
                            interaction, reward_fn)
     return runner, tasks

@@ -1,0 +1,196 @@
+"""Agent functions as episodes: `rollout.agent` runs against the OpenAI-compatible endpoint, and
+what the endpoint recorded for the episode's session becomes its Trajectory.
+
+An agent function is `async def agent(ctx: AgentContext, task: Task) -> None`. It reaches the
+policy only through the endpoint: `ctx.base_url` plus the session header `ctx.headers`, or
+`ctx.openai_client()`, which sets both on an `openai.AsyncOpenAI`; any framework built on an
+OpenAI client works. `ctx.tools` are the recipe's tool schemas (OpenAI form) and
+`await ctx.run_tools(message.tool_calls)` runs the recipe's tools with the builtin loop's checks,
+timeouts, truncation and metrics, answering with OpenAI tool messages; an agent may run tools of
+its own instead. Its return value is not used: the reward function sees the recorded messages,
+which end with the model's last reply.
+
+AgentRunner has EpisodeRunner's interface (`await run(task, group_id) -> Trajectory`, `.engine`,
+`.renderer`), so collect.py and the training driver use it unchanged. It starts the endpoint once,
+on 127.0.0.1, on a daemon thread (server.py says why), and gives every episode a fresh session.
+The trajectory is the session's last segment (sessions.py says why), with `segments`,
+`history_rewrites` and `dropped_generated_tokens` in its metrics; sampling is the recipe's and each
+session has `rollout.max_turns` turns and `rollout.max_context_tokens` tokens. Finish: that of the
+last sampled turn (`stop`, `length`); `max_turns` or `length` when the endpoint refused a request
+at a limit (the agent's exception from that refusal ends the episode normally); `error` for any
+other exception, or when the agent made no request with its session.
+
+This module does not sample, parse or record (service.py and sessions.py do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+from agentrl.config import RecipeConfig
+from agentrl.env.rewards import RewardFn
+from agentrl.env.tool_env import ToolEnv, ToolLimits
+from agentrl.errors import ConfigError
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.engine import Engine
+from agentrl.rollout.episode import EpisodeSettings, outcome_reward
+from agentrl.serve.app import create_app
+from agentrl.serve.protocol import SESSION_HEADER
+from agentrl.serve.server import BackgroundServer, serve_settings
+from agentrl.serve.service import ChatService
+from agentrl.serve.sessions import Session, to_trajectory
+from agentrl.tools.base import Tool
+from agentrl.tools.loader import resolve_reference
+from agentrl.tools.parsers import ParsedTurn
+from agentrl.types import Task, ToolCall, Trajectory
+
+AgentFn = Callable[["AgentContext", Task], Awaitable[object]]
+
+
+class AgentContext:
+    """What an agent function gets besides its task: where the policy is and the episode's tools."""
+
+    def __init__(self, base_url: str, session_id: str, model: str, tools: list[Tool], system_prompt: str | None,
+                 env: ToolEnv):
+        self.base_url = base_url  # http://127.0.0.1:PORT/v1
+        self.session_id = session_id
+        self.model = model
+        self.tools = [t.schema for t in tools]
+        self.system_prompt = system_prompt  # rollout.system_prompt: task.messages(ctx.system_prompt)
+        self._env = env
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {SESSION_HEADER: self.session_id}
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` on the endpoint, sending this episode's session header."""
+        import openai
+
+        headers = {**kwargs.pop("default_headers", {}), **self.headers}
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=kwargs.pop("api_key", "agentrl"),
+                                  default_headers=headers, **kwargs)
+
+    async def run_tools(self, tool_calls: list[Any]) -> list[dict[str, Any]]:
+        """Tool messages (`role: tool`, `tool_call_id`, `content`) answering OpenAI tool calls
+        (objects of the openai client or dicts), in order, through the recipe's tools."""
+        calls, errors, call_ids, error_ids = [], [], [], []
+        for call in tool_calls:
+            call = call if isinstance(call, dict) else call.model_dump()
+            fn, arguments = call["function"], call["function"].get("arguments") or "{}"
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError as e:
+                arguments = f"the arguments of '{fn['name']}' are not valid JSON ({e.msg})"
+            if isinstance(arguments, dict):
+                calls.append(ToolCall(fn["name"], arguments))
+                call_ids.append(call.get("id"))
+            else:
+                errors.append(arguments if isinstance(arguments, str) else f"the arguments of '{fn['name']}' "
+                              "must be a JSON object")
+                error_ids.append(call.get("id"))
+        answers = await self._env.run_turn(ParsedTurn(calls=calls, errors=errors))
+        return [{"role": "tool", "tool_call_id": call_id, "content": m["content"]}
+                for call_id, m in zip(call_ids + error_ids, answers)]
+
+
+def load_agent(config: RecipeConfig) -> AgentFn:
+    """The recipe's agent function, or a ConfigError naming `rollout.agent`."""
+    ref = config.rollout.agent
+    if config.rollout.interaction_config:
+        raise ConfigError("rollout.agent cannot be combined with rollout.interaction_config: "
+                          "the agent function writes every user turn")
+    try:
+        fn = resolve_reference(ref, group="agentrl.agents")
+    except ValueError as e:
+        raise ConfigError(f"rollout.agent: {e}") from None
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+        raise ConfigError(f"rollout.agent: '{ref}' is not an async function (async def agent(ctx, task))")
+    return fn
+
+
+class AgentRunner:
+    """Runs an agent function per episode against the endpoint; shared by concurrent episodes."""
+
+    def __init__(self, agent: AgentFn, engine: Engine, tokenizer: Any, tools: list[Tool],
+                 parser: Callable[[str], ParsedTurn], settings: EpisodeSettings, reward_fn: RewardFn | None = None,
+                 model_name: str = "policy"):
+        self.agent = agent
+        self.engine = engine
+        self.renderer = ChatRenderer(tokenizer, tools)  # the training driver takes its tokenizer from here
+        self.tools = tools
+        self.settings = settings
+        self.reward_fn = reward_fn
+        self.service = ChatService(engine, tokenizer, parser, serve_settings(settings, model_name, for_training=True))
+        self._server: BackgroundServer | None = None
+        self._starting = threading.Lock()
+
+    @property
+    def server(self) -> BackgroundServer:
+        """The endpoint, started on first use."""
+        with self._starting:
+            if self._server is None:
+                server = BackgroundServer(create_app(self.service))
+                server.start()
+                self._server = server
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    async def run(self, task: Task, group_id: str) -> Trajectory:
+        """One episode; any unexpected failure ends it with finish='error', never raises."""
+        started = time.perf_counter()
+        try:
+            traj = await self._run(task, group_id)
+        except Exception as e:
+            traj = Trajectory(task_id=task.id, group_id=group_id, weight_version=self.engine.weight_version,
+                              finish="error", error=f"{type(e).__name__}: {e}")
+        if traj.finish == "error":
+            traj.metrics["error"] = 1.0
+        traj.metrics["episode_s"] = time.perf_counter() - started
+        traj.metrics["generated_tokens"] = float(traj.num_generated)
+        return traj
+
+    async def _run(self, task: Task, group_id: str) -> Trajectory:
+        s, server, session_id = self.settings, self.server, uuid.uuid4().hex
+        env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
+                      lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
+        await env.start(session_id, task)
+        ctx = AgentContext(server.base_url, session_id, self.service.settings.model_name, self.tools,
+                           s.system_prompt, env)
+        failure: Exception | None = None
+        try:
+            await self.agent(ctx, task)
+        except Exception as e:  # a refusal at a limit ends the episode; anything else fails it (below)
+            failure = e
+        finally:
+            tool_final = await env.finish()
+            session = await asyncio.wrap_future(server.submit(self.service.sessions.pop(session_id)))
+        session = session or Session(session_id)
+        traj = to_trajectory(session, task.id, group_id)
+        traj.weight_version = traj.weight_version if session.segments else self.engine.weight_version
+        traj.metrics = {**env.metrics, **traj.metrics,
+                        "parse_errors": env.metrics["parse_errors"] + traj.metrics["parse_errors"]}
+        if failure is not None and session.refused is None:
+            traj.finish, traj.error = "error", f"{type(failure).__name__}: {failure}"
+            return traj
+        if not session.segments:
+            traj.finish, traj.error = "error", f"the agent made no chat completion request with its session " \
+                                               f"(header {SESSION_HEADER}: {session_id})"
+            return traj
+        traj.finish = session.refused or traj.finish
+        outcome = outcome_reward(self.reward_fn, task, traj.messages)
+        traj.reward = (outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
+                       + (tool_final if s.tool_final_rewards else 0.0))
+        traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(env.step_rewards),
+                             "tool_final_reward": tool_final})
+        return traj

@@ -1,0 +1,85 @@
+"""The HTTP face of ChatService: a FastAPI app with OpenAI's chat-completions routes.
+
+Routes: `POST /v1/chat/completions`, `GET /v1/models`, and `GET` / `DELETE /agentrl/sessions/{id}`
+for a session's recorded segments. The session of a request is the `X-Agentrl-Session` header,
+else the body's `user` field; a request with neither is served and not recorded.
+
+Every answer is JSON. The body is read by this module (not by FastAPI's parameter binding) so that
+its size is capped while it streams in (413 past `max_body_bytes`) and so that a malformed body
+gets OpenAI's error shape with one line naming the field (400), which OpenAI clients surface as the
+exception message. An unexpected failure answers 500 with the exception's type only; the traceback
+goes to the server's log, never to the client.
+
+This module does not sample or record; service.py does.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from agentrl.serve.protocol import SESSION_HEADER, RequestError, error_body, parse_request
+from agentrl.serve.service import ChatService
+from agentrl.serve.sessions import session_json
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body of {declared} bytes is over the limit of {limit}", 413, "body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a body without (or lying about) its length is cut off here
+            raise RequestError(f"request body is over the limit of {limit} bytes", 413, "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="agentrl", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        chat = parse_request(await read_body(request, max_body_bytes))
+        session_id = request.headers.get(SESSION_HEADER) or chat.user
+        return JSONResponse(await service.complete(chat, session_id))
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.settings.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}]})
+
+    @app.get("/agentrl/sessions/{session_id}")
+    async def get_session(session_id: str) -> JSONResponse:
+        session = service.sessions.get(session_id)
+        if session is None:
+            raise RequestError(f"no session '{session_id}'", 404, "not_found")
+        return JSONResponse(session_json(session))
+
+    @app.delete("/agentrl/sessions/{session_id}")
+    async def delete_session(session_id: str) -> JSONResponse:
+        session = await service.sessions.pop(session_id)
+        if session is None:
+            raise RequestError(f"no session '{session_id}'", 404, "not_found")
+        return JSONResponse(session_json(session))
+
+    @app.exception_handler(RequestError)
+    async def refused(_: Request, e: RequestError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail), "not_found" if e.status_code == 404 else "http_error"),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def crashed(_: Request, e: Exception) -> JSONResponse:
+        # Starlette re-raises after answering, so the server logs the traceback
+        return JSONResponse(error_body(f"internal error ({type(e).__name__}); see the server log", "internal_error"),
+                            status_code=500)
+
+    return app

@@ -1,0 +1,162 @@
+"""The OpenAI chat-completions wire format the endpoint accepts, as strict pydantic models, and the
+turn from a request's messages into the dicts a chat template renders.
+
+Only what a token-exact policy server can honour is accepted: one choice, no streaming, no stop
+strings, no penalties, no forced tool choice, no top alternatives in `logprobs`. Such options are
+refused with a message naming them rather than ignored, because ignoring them would hand a client
+something other than what it asked for. Fields this endpoint does not know are ignored: clients
+send many optional ones (`seed`, `metadata`, `parallel_tool_calls`, a message's `refusal`, ...).
+
+This module does not sample, keep sessions or speak HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from agentrl.rollout.chat import normalize_tool_calls
+
+SESSION_HEADER = "X-Agentrl-Session"
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses: an HTTP status, an OpenAI error code and one-line message."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.code)
+
+
+def error_body(message: str, code: str) -> dict[str, Any]:
+    """OpenAI's error shape, which its clients turn into the exception's message."""
+    return {"error": {"message": message, "type": code, "param": None, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionCallIn(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class MessageIn(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "MessageIn":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
+
+
+class ToolFunctionSpec(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: ToolFunctionSpec
+
+
+class ChatRequest(_Strict):
+    model: str | None = None  # any name is accepted: the endpoint serves one model
+    messages: list[MessageIn] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None  # kept as sent: the template renders exactly these
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ChatRequest":
+        for i, tool in enumerate(self.tools or []):
+            try:
+                ToolSpec.model_validate(tool)
+            except ValidationError as e:
+                raise ValueError(describe(e, prefix=f"tools.{i}.")) from None
+        refused = [
+            (self.stream, "stream: streaming is not supported"),
+            (self.n != 1, "n: one choice per request is supported"),
+            (bool(self.stop), "stop: stop sequences are not supported; turns end at the end-of-turn token"),
+            (bool(self.top_logprobs), "top_logprobs: only the sampled token's logprob is available"),
+            (bool(self.frequency_penalty) or bool(self.presence_penalty),
+             "frequency_penalty/presence_penalty: penalties are not supported"),
+            (self.tool_choice not in (None, "auto"), "tool_choice: only 'auto' is supported"),
+        ]
+        for problem, message in refused:
+            if problem:
+                raise ValueError(message)
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse_request(body: bytes) -> ChatRequest:
+    """A validated request, or a RequestError naming the first problem (`messages.0.role: ...`)."""
+    try:
+        return ChatRequest.model_validate_json(body)
+    except ValidationError as e:
+        raise RequestError(describe(e)) from None
+
+
+def describe(e: ValidationError, prefix: str = "") -> str:
+    first = e.errors()[0]
+    where = prefix + ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
+    return f"{where}: {message}{more}" if where else f"{message}{more}"
+
+
+def chat_messages(messages: list[MessageIn]) -> list[dict[str, Any]]:
+    """The request's messages as the dicts chat templates render: text parts joined, `developer`
+    as `system`, tool calls with mapping arguments (normalize_tool_calls), and each tool message
+    named after the call it answers (templates that show a tool's name need it; OpenAI sends only
+    the call id)."""
+    call_names = {call.id: call.function.name for m in messages for call in m.tool_calls or [] if call.id}
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = "".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
+        role = "system" if m.role == "developer" else m.role
+        message: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and m.tool_calls:
+            message = normalize_tool_calls({**message, "tool_calls": [c.model_dump() for c in m.tool_calls]})
+        if role == "tool":
+            name = m.name or call_names.get(m.tool_call_id)
+            message.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", name)) if v})
+        out.append(message)
+    return out

@@ -1,0 +1,165 @@
+"""One chat completion: a validated request → token ids → the engine → an OpenAI chat.completion.
+
+The request's messages are rendered with the recipe's chat template and the request's own tool
+schemas; the sampled turn is parsed with the recipe's parser into `content` (the text outside the
+call blocks) and `tool_calls` (OpenAI form, arguments as a JSON string). With a session id the turn
+is planned and recorded in sessions.py; without one it is served and forgotten.
+
+Sampling: the client's `temperature`, `top_p` and `max_tokens` apply, the recipe's values are the
+defaults. With `fixed_sampling` (agent episodes for training) the recipe's temperature and top-p
+always apply and `max_tokens` can only lower the recipe's per-turn budget, because the trainer
+recomputes logprobs under the recipe's temperature. A turn never runs past `max_context_tokens`.
+
+This module does not speak HTTP (app.py does) or run tools (the client does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import jinja2
+
+from agentrl.rollout.chat import ChatRenderer, TemplateError
+from agentrl.rollout.engine import Engine
+from agentrl.rollout.episode import stop_token_ids
+from agentrl.serve.protocol import ChatRequest, RequestError, chat_messages
+from agentrl.serve.sessions import Session, SessionStore, commit_turn, plan_turn
+from agentrl.tools.parsers import ParsedTurn
+from agentrl.types import Completion, SamplingParams
+
+
+@dataclass
+class ServeSettings:
+    model_name: str = "policy"  # what /v1/models lists and responses name
+    max_context_tokens: int = 2048
+    max_new_tokens: int = 256  # a turn's budget when the request names none
+    temperature: float = 1.0
+    top_p: float = 1.0
+    fixed_sampling: bool = False  # the recipe's sampling wins over the request's
+    max_turns: int | None = None  # sampled turns per session; None: no limit
+    max_sessions: int = 10_000
+
+
+@contextmanager
+def rendering_errors() -> Iterator[None]:
+    """A template that rejects the client's messages is the client's problem (400); one that cannot
+    continue a conversation token by token is the recipe's (500)."""
+    try:
+        yield
+    except jinja2.TemplateError as e:
+        raise RequestError(f"the chat template cannot render these messages: {e}") from None
+    except TemplateError as e:
+        raise RequestError(str(e), 500, "template_error") from None
+
+
+@dataclass
+class SampledTurn:
+    recorded: dict[str, Any]  # ChatRenderer.assistant_message: what renders back to the sample
+    reply: dict[str, Any]  # what the client receives (calls with mapping arguments here)
+    exact: bool  # `recorded` renders back to exactly the sample
+    parse_errors: int  # malformed call blocks, left in the reply's text
+
+
+class ChatService:
+    """Answers chat completion requests from one engine, recording sessions."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, parser: Callable[[str], ParsedTurn], settings: ServeSettings):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.parser = parser
+        self.settings = settings
+        self.sessions = SessionStore(settings.max_sessions)
+        self.stop_ids = stop_token_ids(tokenizer)
+
+    def renderer(self, tools: list[dict[str, Any]] | None) -> ChatRenderer:
+        renderer = ChatRenderer(self.tokenizer, [])
+        renderer.schemas = tools  # the request's schemas, exactly as sent, are what the template shows
+        return renderer
+
+    async def complete(self, request: ChatRequest, session_id: str | None) -> dict[str, Any]:
+        messages, tools = chat_messages(request.messages), request.tools or None
+        renderer = self.renderer(tools)
+        if session_id is None:
+            with rendering_errors():
+                ids = renderer.prompt_ids(messages)
+            completion = await self._generate(ids, self._sampling(request, len(ids), None))
+            turn = self._interpret(renderer, messages, completion)
+            return self._response(request, turn.reply, completion, len(ids), renderer)
+        session = self.sessions.get_or_create(session_id)
+        async with session.lock:
+            if self.settings.max_turns is not None and session.turns >= self.settings.max_turns:
+                session.refused = "max_turns"
+                raise RequestError(f"session '{session_id}' has used its {self.settings.max_turns} turns "
+                                   f"(rollout.max_turns)", code="session_turn_limit")
+            with rendering_errors():
+                plan = plan_turn(session, renderer, messages, tools)
+            completion = await self._generate(plan.prompt_ids, self._sampling(request, len(plan.prompt_ids), session))
+            turn = self._interpret(renderer, plan.history, completion)
+            commit_turn(session, plan, completion, turn.recorded, turn.reply, turn.exact)
+            session.parse_errors += turn.parse_errors
+        return self._response(request, turn.reply, completion, len(plan.prompt_ids), renderer)
+
+    def _sampling(self, request: ChatRequest, prompt_len: int, session: Session | None) -> SamplingParams:
+        s = self.settings
+        room = s.max_context_tokens - prompt_len
+        if room <= 0:
+            if session is not None:
+                session.refused = "length"
+            raise RequestError(f"the conversation is {prompt_len} tokens, which leaves no room for a reply within "
+                               f"max_context_tokens={s.max_context_tokens}", code="context_length_exceeded")
+        asked = request.max_new_tokens
+        if s.fixed_sampling:
+            budget, temperature, top_p = min(asked or s.max_new_tokens, s.max_new_tokens), s.temperature, s.top_p
+        else:
+            budget = asked or s.max_new_tokens
+            temperature = s.temperature if request.temperature is None else request.temperature
+            top_p = s.top_p if request.top_p is None else request.top_p
+        return SamplingParams(min(budget, room), temperature, top_p, self.stop_ids)
+
+    async def _generate(self, ids: list[int], sampling: SamplingParams) -> Completion:
+        try:
+            return await self.engine.generate(ids, sampling)
+        except Exception as e:  # the message reaches the client; the server log keeps the traceback
+            raise RequestError(f"generation failed: {type(e).__name__}: {e}", status=500, code="engine_error") from e
+
+    def _interpret(self, renderer: ChatRenderer, history: list[dict[str, Any]], completion: Completion) -> SampledTurn:
+        """A sampled turn as recorded and as replied; one cut off by its budget carries no calls."""
+        stopped = completion.finish == "stop"
+        text = renderer.decode(completion.token_ids[:-1] if stopped else completion.token_ids)
+        if not stopped:
+            recorded = {"role": "assistant", "content": text}
+            return SampledTurn(recorded, dict(recorded), True, 0)
+        parsed = self.parser(text)
+        recorded, exact = renderer.assistant_message(history, text, parsed, completion.token_ids)
+        if not parsed.calls:
+            return SampledTurn(recorded, {"role": "assistant", "content": text}, exact, len(parsed.errors))
+        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+        reply = {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
+        return SampledTurn(recorded, reply, exact, len(parsed.errors))
+
+    def _response(self, request: ChatRequest, reply: dict[str, Any], completion: Completion, prompt_len: int,
+                  renderer: ChatRenderer) -> dict[str, Any]:
+        calls = reply.get("tool_calls")
+        message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
+        if calls:
+            message["tool_calls"] = [{**c, "function": {"name": c["function"]["name"], "arguments": json.dumps(
+                c["function"]["arguments"], ensure_ascii=False)}} for c in calls]
+        finish = "length" if completion.finish == "length" else "tool_calls" if calls else "stop"
+        n = len(completion.token_ids)
+        choice = {"index": 0, "message": message, "finish_reason": finish,
+                  "logprobs": self._logprobs(renderer, completion) if request.logprobs else None}
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.settings.model_name, "choices": [choice],
+                "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}}
+
+    @staticmethod
+    def _logprobs(renderer: ChatRenderer, completion: Completion) -> dict[str, Any]:
+        tokens = [renderer.decode([i]) for i in completion.token_ids]
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(tokens, completion.logprobs)]}

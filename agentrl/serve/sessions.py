@@ -1,0 +1,183 @@
+"""What the endpoint records per session: token ids, loss mask and logprobs, in segments.
+
+A session is one client conversation: every request carrying the same session id (the
+`X-Agentrl-Session` header, else the request's `user` field). A request either continues the
+session's current segment or starts a new one:
+
+- it continues when its messages begin with exactly the messages recorded so far and its tool
+  schemas are unchanged. "Exactly" is checked after normalisation (protocol.chat_messages): each of
+  the client's own earlier messages as it sent it, and each assistant reply either as the endpoint
+  returned it (OpenAI form: the text outside the calls, calls with JSON-string arguments) or as
+  recorded (ChatRenderer.assistant_message). The messages after that prefix are appended as the
+  chat template's suffix (ChatRenderer.suffix_ids on the recorded messages, as the builtin loop
+  does), mask 0, and the sampled turn after them, mask 1 — token-in/token-out across requests;
+- anything else starts a new segment, rendered afresh from the request's messages: the client
+  edited, dropped or reordered history, changed its tools, or branched from an earlier point.
+  Each such request after the first counts as a history rewrite.
+
+Each segment is a Trajectory, whose `append` keeps ids, mask and logprobs aligned, so within a
+segment the mask-1 tokens are exactly the sampled ones. A session's trajectory (to_trajectory) is
+its last segment: concatenating segments would train later tokens on a context they were not
+sampled in (a flat causal sequence lets them attend to the earlier segment), so earlier segments
+are left out and their sampled tokens counted in `dropped_generated_tokens`.
+
+This module does not sample, parse calls or speak HTTP: service.py plans a turn here, samples it,
+and commits it here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.types import Completion, Finish, Trajectory
+
+Message = dict[str, Any]
+
+
+@dataclass
+class Segment:
+    """One run of requests whose tokens extend each other."""
+
+    record: Trajectory  # token_ids, loss_mask, logprobs, messages (the recorded forms)
+    tools: list[dict[str, Any]] | None  # the schemas it was rendered with
+    echoes: list[set[str]] = field(default_factory=list)  # per recorded message: forms a client may send back
+    turns: int = 0
+    finish: Finish = "stop"  # of its last sampled turn
+    last_exact: bool = True  # whether the last recorded reply renders back to its sample
+
+
+@dataclass
+class Session:
+    id: str
+    segments: list[Segment] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a session at a time
+    turns: int = 0
+    template_fallbacks: int = 0
+    parse_errors: int = 0
+    refused: Literal["max_turns", "length"] | None = None  # once a limit refused a request
+
+    def metrics(self) -> dict[str, float]:
+        last = self.segments[-1] if self.segments else None
+        return {"turns": float(last.turns if last else 0), "session_turns": float(self.turns),
+                "segments": float(len(self.segments)), "history_rewrites": float(max(len(self.segments) - 1, 0)),
+                "dropped_generated_tokens": float(sum(s.record.num_generated for s in self.segments[:-1])),
+                "template_fallbacks": float(self.template_fallbacks), "parse_errors": float(self.parse_errors)}
+
+
+@dataclass
+class TurnPlan:
+    """What one request samples after, before anything is recorded."""
+
+    history: list[Message]  # the conversation the turn answers (recorded forms)
+    prompt_ids: list[int]  # what the engine continues
+    added_ids: list[int]  # appended with mask 0 before the sample
+    new_messages: list[Message]
+    tools: list[dict[str, Any]] | None
+    segment: Segment | None  # the segment continued; None starts a new one
+    fell_back: bool  # the suffix came from chat.py's fallback
+
+
+def message_key(message: Message) -> str:
+    """The parts of a message that decide its rendering, as one comparable string."""
+    calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls") or []]
+    return json.dumps([message["role"], message.get("content") or "", calls], sort_keys=True, ensure_ascii=False)
+
+
+def plan_turn(session: Session, renderer: ChatRenderer, messages: list[Message],
+              tools: list[dict[str, Any]] | None) -> TurnPlan:
+    """Continue the session's last segment if `messages` extend it, else plan a new segment.
+    `renderer` must render `tools`; the turn's reply is then interpreted with it."""
+    segment = session.segments[-1] if session.segments else None
+    if segment is not None and _continues(segment, messages, tools):
+        # equal schemas, but in the order first rendered, so the prefix renders as it did then
+        renderer.schemas = segment.tools
+        recorded = segment.record.messages
+        new = messages[len(recorded):]
+        added, fell_back = renderer.suffix_ids(segment.record.token_ids, recorded, new)
+        return TurnPlan(recorded + new, segment.record.token_ids + added, added, new, segment.tools, segment,
+                        fell_back)
+    ids = renderer.prompt_ids(messages)
+    return TurnPlan(list(messages), ids, ids, list(messages), tools, None, False)
+
+
+def _continues(segment: Segment, messages: list[Message], tools: list[dict[str, Any]] | None) -> bool:
+    return (segment.tools == tools and len(messages) >= len(segment.echoes)
+            and all(message_key(m) in echo for m, echo in zip(messages, segment.echoes)))
+
+
+def commit_turn(session: Session, plan: TurnPlan, completion: Completion, recorded: Message, reply: Message,
+                exact: bool) -> Segment:
+    """Record a sampled turn: the plan's added ids (mask 0), the sample (mask 1, its logprobs), the
+    new messages and the recorded reply; `reply` is the reply as the client received it."""
+    segment = plan.segment
+    if segment is None:
+        segment = Segment(Trajectory(task_id=session.id, group_id=session.id,
+                                     weight_version=completion.weight_version), plan.tools)
+        session.segments.append(segment)
+    elif plan.fell_back and segment.last_exact:  # counted once per turn, as the builtin loop does
+        session.template_fallbacks += 1
+    record = segment.record
+    record.append(plan.added_ids, trainable=False)
+    record.append(completion.token_ids, trainable=True, logprobs=completion.logprobs)
+    record.messages.extend(plan.new_messages + [recorded])
+    segment.echoes.extend({message_key(m)} for m in plan.new_messages)
+    segment.echoes.append({message_key(recorded), message_key(reply)})
+    record.weight_version = min(record.weight_version, completion.weight_version)
+    segment.turns += 1
+    segment.finish = completion.finish
+    segment.last_exact = exact
+    session.turns += 1
+    session.template_fallbacks += not exact
+    return segment
+
+
+def to_trajectory(session: Session, task_id: str, group_id: str) -> Trajectory:
+    """The session as one trajectory: its last segment (see the module docstring), its metrics."""
+    if not session.segments:
+        return Trajectory(task_id=task_id, group_id=group_id, metrics=session.metrics())
+    last = session.segments[-1].record
+    return Trajectory(task_id=task_id, group_id=group_id, token_ids=list(last.token_ids),
+                      loss_mask=list(last.loss_mask), logprobs=list(last.logprobs),
+                      messages=[dict(m) for m in last.messages], finish=session.segments[-1].finish,
+                      weight_version=last.weight_version, metrics=session.metrics())
+
+
+def session_json(session: Session) -> dict[str, Any]:
+    """Every segment of a session, for `GET /agentrl/sessions/{id}`."""
+    segments = [{"token_ids": s.record.token_ids, "loss_mask": s.record.loss_mask, "logprobs": s.record.logprobs,
+                 "messages": s.record.messages, "turns": s.turns, "finish": s.finish,
+                 "weight_version": s.record.weight_version} for s in session.segments]
+    return {"id": session.id, "segments": segments, "metrics": session.metrics(), "refused": session.refused}
+
+
+class SessionStore:
+    """Sessions by id; beyond `max_sessions` the least recently used one is forgotten."""
+
+    def __init__(self, max_sessions: int = 10_000):
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+
+    def get_or_create(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = Session(session_id)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        self._sessions.move_to_end(session_id)
+        return session
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    async def pop(self, session_id: str) -> Session | None:
+        """Remove a session once no request of it is in flight."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return None
+        async with session.lock:
+            return self._sessions.pop(session_id, None)

@@ -1,0 +1,364 @@
+"""The OpenAI-compatible endpoint and agent functions: token-exact sessions across HTTP turns.
+
+Everything is real except the policy's sampling where a test needs a specific tool call
+(ScriptedEngine): the tokenizer and template, the parser, the tools, uvicorn on 127.0.0.1, the
+openai client. One test runs `agentrl serve` as a subprocess on the tiny random model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from agentrl.config import RecipeConfig
+from agentrl.env.rewards import gsm8k_reward
+from agentrl.errors import ConfigError
+from agentrl.rollout.chat import normalize_tool_calls
+from agentrl.rollout.collect import run_episodes
+from agentrl.rollout.episode import EpisodeSettings
+from agentrl.rollout.hf_engine import HFEngine
+from agentrl.rollout.run import build_runner
+from agentrl.serve.agent import AgentRunner, load_agent
+from agentrl.serve.app import create_app
+from agentrl.serve.protocol import RequestError, parse_request
+from agentrl.serve.server import BackgroundServer
+from agentrl.serve.service import ChatService, ServeSettings
+from agentrl.tools.builtin.calculator import calculator
+from agentrl.tools.parsers import parse_hermes
+from agentrl.types import Completion, Task
+from tests.conftest import ScriptedEngine, make_tiny_llama
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}\n</tool_call>'
+ANSWER = "1234 * 5678 = 7006652. The answer is 7006652."
+TASK = Task(id="t1", prompt="What is 1234 * 5678?", answer="#### 7006652")
+
+
+async def calculator_agent(ctx, task):
+    """A plain OpenAI-client tool loop, as a user would write it."""
+    client = ctx.openai_client()
+    messages = task.messages(ctx.system_prompt)
+    for _ in range(8):
+        response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return
+        messages += await ctx.run_tools(message.tool_calls)
+
+
+async def rewriting_agent(ctx, task):
+    """Replaces the model's tool-call turn with its own wording before asking again."""
+    client = ctx.openai_client()
+    first = await client.chat.completions.create(model=ctx.model, messages=task.messages(), tools=ctx.tools)
+    call = first.choices[0].message.tool_calls[0]
+    messages = task.messages() + [
+        {"role": "assistant", "content": "Let me compute.", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "7006652"}]
+    await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
+
+
+async def single_request_agent(ctx, task):
+    await ctx.openai_client().chat.completions.create(model=ctx.model, messages=task.messages())
+
+
+def ids_of(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tools=[calculator.schema], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def agent_runner(agent, engine, tokenizer, **settings) -> AgentRunner:
+    return AgentRunner(agent, engine, tokenizer, [calculator], parse_hermes, EpisodeSettings(**settings),
+                       reward_fn=gsm8k_reward)
+
+
+@pytest.fixture
+def served(tokenizer):
+    """A ChatService on a ScriptedEngine behind the real app on a loopback port."""
+    started = []
+
+    def start(turns, max_body_bytes=1_000_000, engine=None):
+        engine = engine or ScriptedEngine(tokenizer, turns)
+        service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(model_name="scripted"))
+        server = BackgroundServer(create_app(service, max_body_bytes=max_body_bytes))
+        server.start()
+        started.append(server)
+        return server, engine
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.mark.parametrize("first_turn", [CALL, "I will use the calculator.\n" + CALL], ids=["call", "text-and-call"])
+def test_agent_episode_has_the_builtin_loops_ids_and_mask(first_turn, tmp_path, tiny_model_dir, tokenizer):
+    base = {"model": {"path": str(tiny_model_dir)}, "output_dir": str(tmp_path),
+            "rollout": {"tool_configs": ["tool_configs/calculator.yaml"]}}
+    builtin_engine = ScriptedEngine(tokenizer, [first_turn, ANSWER])
+    builtin, _ = build_runner(RecipeConfig.model_validate(base), engine=builtin_engine)
+    [expected] = run_episodes(builtin, [TASK], 1, 1)
+
+    engine = ScriptedEngine(tokenizer, [first_turn, ANSWER])
+    base["rollout"]["agent"] = "tests.test_serve:calculator_agent"
+    runner, _ = build_runner(RecipeConfig.model_validate(base), engine=engine)
+    assert isinstance(runner, AgentRunner)
+    try:
+        [traj] = run_episodes(runner, [TASK], 1, 1)  # collect.py, unchanged
+    finally:
+        runner.close()
+
+    assert traj.error is None and traj.finish == "stop"
+    assert traj.token_ids == expected.token_ids and len(traj.token_ids) > 100
+    assert traj.loss_mask == expected.loss_mask and sum(traj.loss_mask) == sum(len(t) for t in engine.turns)
+    assert traj.logprobs == expected.logprobs
+    assert engine.prompts == builtin_engine.prompts  # the engine saw the same growing sequence
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+    assert traj.messages[1] == expected.messages[1]  # recorded as ChatRenderer.assistant_message does
+    assert traj.messages[2]["content"] == "7006652" and traj.messages[2]["name"] == "calculator"
+    assert traj.reward == expected.reward == 1.0
+    assert {k: traj.metrics[k] for k in ("turns", "segments", "history_rewrites", "tool_calls", "tool_errors")} == \
+        {"turns": 2.0, "segments": 1.0, "history_rewrites": 0.0, "tool_calls": 1.0, "tool_errors": 0.0}
+
+
+def test_rewritten_history_starts_a_new_segment(tokenizer):
+    engine = ScriptedEngine(tokenizer, [CALL, ANSWER])
+    runner = agent_runner(rewriting_agent, engine, tokenizer)
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    turn1, turn2 = engine.turns
+    rewritten = TASK.messages() + [
+        normalize_tool_calls({"role": "assistant", "content": "Let me compute.", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1234 * 5678"}}}]}),
+        {"role": "tool", "content": "7006652"}]
+    fresh = ids_of(tokenizer, rewritten)
+    assert engine.prompts[1] == fresh  # rendered afresh, not appended to the first turn
+    assert traj.token_ids == fresh + turn2
+    assert traj.loss_mask == [0] * len(fresh) + [1] * len(turn2)
+    assert traj.metrics["segments"] == 2 and traj.metrics["history_rewrites"] == 1
+    assert traj.metrics["dropped_generated_tokens"] == len(turn1) and traj.metrics["turns"] == 1
+    assert traj.finish == "stop" and traj.reward == 1.0
+
+
+def test_tool_calls_in_openai_format_and_session_record(served, tokenizer):
+    server, engine = served([CALL, ANSWER])
+    body = {"model": "any", "messages": TASK.messages(), "tools": [calculator.schema], "logprobs": True}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, headers={"X-Agentrl-Session": "s1"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+    assert choice["message"] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function",
+         "function": {"name": "calculator", "arguments": '{"expression": "1234 * 5678"}'}}]}
+    assert choice["finish_reason"] == "tool_calls"
+    prompt, turn1 = ids_of(tokenizer, TASK.messages()), engine.turns[0]
+    assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(turn1),
+                                 "total_tokens": len(prompt) + len(turn1)}
+    content = choice["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == CALL + "<|im_end|>"
+    assert [t["logprob"] for t in content] == [-0.01 * (i + 1) for i in range(len(turn1))]
+
+    record = httpx.get(f"{server.base_url.removesuffix('/v1')}/agentrl/sessions/s1").json()
+    [segment] = record["segments"]
+    assert segment["token_ids"] == prompt + turn1
+    assert segment["loss_mask"] == [0] * len(prompt) + [1] * len(turn1)
+    # `user` names the session when there is no header; a request with neither is not recorded
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], user="u2")
+    assert answer.choices[0].message.content == ANSWER and answer.choices[0].finish_reason == "stop"
+    sessions = f"{server.base_url.removesuffix('/v1')}/agentrl/sessions"
+    assert httpx.get(f"{sessions}/u2").json()["metrics"]["session_turns"] == 1
+    assert httpx.get(f"{sessions}/none").status_code == 404
+
+
+def test_bad_requests_get_json_errors_and_the_server_keeps_serving(served, tokenizer):
+    class BrokenEngine(ScriptedEngine):
+        """Fails once with an exception, then once with a result of the wrong type, then works."""
+
+        async def generate(self, token_ids, sampling):
+            self.prompts.append(token_ids)
+            if len(self.prompts) == 1:
+                raise RuntimeError("device lost")
+            if len(self.prompts) == 2:
+                return None
+            return Completion(self.turns[0], [-0.5] * len(self.turns[0]), "stop", 0)
+
+    server, _ = served(None, max_body_bytes=2000, engine=BrokenEngine(tokenizer, [ANSWER]))
+    url = f"{server.base_url}/chat/completions"
+    ok = {"messages": [{"role": "user", "content": "hi"}]}
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 3000}]}).encode()
+    cases = [
+        (b"{not json", 400, "Invalid JSON: key must be a string at line 1 column 2"),
+        (b"{}", 400, "messages: Field required"),
+        (json.dumps({"messages": "hi"}).encode(), 400, "messages: Input should be a valid array"),
+        (json.dumps({**ok, "temperature": "hot"}).encode(), 400, "temperature: Input should be a valid number"),
+        (json.dumps({"messages": [{"role": "user"}]}).encode(), 400, "messages.0: a user message needs 'content'"),
+        (json.dumps({**ok, "stream": True}).encode(), 400, "stream: streaming is not supported"),
+        (json.dumps({**ok, "tools": [{"type": "function"}]}).encode(), 400, "tools.0.function: Field required"),
+        (big, 413, f"request body of {len(big)} bytes is over the limit of 2000"),
+        (iter([big[:1500], big[1500:]]), 413, "request body is over the limit of 2000 bytes"),  # chunked, no length
+        (json.dumps(ok).encode(), 500, "generation failed: RuntimeError: device lost"),
+        (json.dumps(ok).encode(), 500, "internal error (AttributeError); see the server log"),
+    ]
+    for body, status, message in cases:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["error"]["message"]) == (status, message)
+        assert "Traceback" not in r.text
+    assert httpx.get(f"{server.base_url}/nothing").json()["error"]["message"] == "Not Found"
+    r = httpx.post(url, json=ok)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
+    assert httpx.get(f"{server.base_url}/models").json()["data"][0]["id"] == "scripted"
+
+
+def test_messages_the_template_rejects_get_a_400(tokenizer):
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    service = ChatService(ScriptedEngine(tokenizer, [ANSWER]), strict, parse_hermes, ServeSettings())
+    request = parse_request(json.dumps({"messages": TASK.messages()}).encode())
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(service.complete(request, "s"))
+    assert (refused.value.status, refused.value.message) == (
+        400, "the chat template cannot render these messages: roles must alternate user/assistant")
+
+
+def test_turn_limit_ends_the_episode_as_max_turns(tokenizer):
+    engine = ScriptedEngine(tokenizer, [CALL, CALL, CALL])
+    runner = agent_runner(calculator_agent, engine, tokenizer, max_turns=2)
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    assert traj.finish == "max_turns" and traj.error is None
+    assert len(engine.prompts) == 2  # the refused third request sampled nothing and was not retried
+    assert traj.metrics["turns"] == 2 and traj.metrics["tool_calls"] == 2 and traj.reward == 0.0
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+
+
+async def failing_agent(ctx, task):
+    await ctx.openai_client().chat.completions.create(model=ctx.model, messages=task.messages())
+    raise ValueError("the framework gave up")
+
+
+async def silent_agent(ctx, task):
+    client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key="unused")  # forgets the session header
+    await client.chat.completions.create(model=ctx.model, messages=task.messages())
+
+
+def test_agent_failures_end_the_episode_as_errors(tokenizer):
+    for agent, error in [(failing_agent, "ValueError: the framework gave up"),
+                         (silent_agent, "the agent made no chat completion request with its session")]:
+        engine = ScriptedEngine(tokenizer, [ANSWER])
+        runner = agent_runner(agent, engine, tokenizer)
+        try:
+            traj = asyncio.run(runner.run(TASK, "g"))
+        finally:
+            runner.close()
+        assert traj.finish == "error" and traj.error.startswith(error) and traj.reward is None
+        assert traj.metrics["error"] == 1.0 and len(engine.prompts) == 1
+
+
+async def hot_sampling_agent(ctx, task):
+    await ctx.openai_client().chat.completions.create(model=ctx.model, messages=task.messages(), temperature=1.9,
+                                                      top_p=0.5, max_tokens=1000)
+
+
+class RecordingEngine(ScriptedEngine):
+    def __init__(self, tokenizer, turns):
+        super().__init__(tokenizer, turns)
+        self.sampling = []
+
+    async def generate(self, token_ids, sampling):
+        self.sampling.append(sampling)
+        return await super().generate(token_ids, sampling)
+
+
+def test_agent_episodes_sample_with_the_recipes_settings(tokenizer, served):
+    engine = RecordingEngine(tokenizer, [ANSWER])
+    runner = agent_runner(hot_sampling_agent, engine, tokenizer, temperature=0.7, top_p=0.9, max_new_tokens_per_turn=32)
+    try:
+        asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    [sampling] = engine.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.max_new_tokens) == (0.7, 0.9, 32)
+    # `agentrl serve` takes the client's settings
+    server, engine = served(None, engine=RecordingEngine(tokenizer, [ANSWER]))
+    body = {"messages": TASK.messages(), "temperature": 1.9, "top_p": 0.5, "max_tokens": 7}
+    assert httpx.post(f"{server.base_url}/chat/completions", json=body).status_code == 200
+    [sampling] = engine.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.max_new_tokens) == (1.9, 0.5, 7)
+
+
+def test_concurrent_sessions_share_one_engine_batch(tokenizer):
+    engine = HFEngine(make_tiny_llama(), pad_token_id=2, batch_wait_s=0.5)
+    runner = agent_runner(single_request_agent, engine, tokenizer, max_new_tokens_per_turn=4)
+    tasks = [Task(id=f"t{i}", prompt=f"Say {i}.") for i in range(4)]
+    try:
+        trajectories = run_episodes(runner, tasks, 1, 8)
+    finally:
+        runner.close()
+    assert engine.stats["requests"] == 4 and engine.stats["batches"] == 1
+    for task, traj in zip(tasks, trajectories):
+        prompt = ids_of_plain(tokenizer, task.messages())
+        assert traj.error is None and traj.token_ids[: len(prompt)] == prompt
+        assert traj.loss_mask == [0] * len(prompt) + [1] * (len(traj.token_ids) - len(prompt))
+        assert 1 <= sum(traj.loss_mask) <= 4 and all(lp < 0 for lp in traj.logprobs[len(prompt):])
+
+
+def ids_of_plain(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_agent_configuration_errors(tmp_path):
+    def config(**rollout):
+        return RecipeConfig.model_validate({"output_dir": str(tmp_path), "rollout": rollout})
+
+    with pytest.raises(ConfigError, match=r"^rollout.agent: module 'tests.test_serve' has no attribute 'nope'$"):
+        load_agent(config(agent="tests.test_serve:nope"))
+    with pytest.raises(ConfigError, match=r"'tests.test_serve:ids_of' is not an async function"):
+        load_agent(config(agent="tests.test_serve:ids_of"))
+    with pytest.raises(ConfigError, match="cannot be combined with rollout.interaction_config"):
+        load_agent(config(agent="tests.test_serve:calculator_agent",
+                          interaction_config="tool_configs/gsm8k_interaction.yaml"))
+
+
+def test_agentrl_serve_subprocess_answers_the_openai_client(tiny_model_dir):
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "serve", "recipes/rollout_cpu.yaml", f"model.path={tiny_model_dir}",
+         "rollout.max_new_tokens_per_turn=6", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        match = re.search(r"on (http://127\.0\.0\.1:\d+/v1) ", line)
+        assert match, f"no address printed: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        client = openai.OpenAI(base_url=match.group(1), api_key="unused", max_retries=0)
+        response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                                  logprobs=True, user="s1")
+        n = response.usage.completion_tokens
+        assert 1 <= n <= 6 and len(response.choices[0].logprobs.content) == n
+        assert response.choices[0].finish_reason in ("length", "stop")
+        assert client.models.list().data[0].id == str(tiny_model_dir)
+        record = httpx.get(match.group(1).removesuffix("/v1") + "/agentrl/sessions/s1").json()
+        assert sum(record["segments"][0]["loss_mask"]) == n
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "agentrl serve: stopped" in stderr and "Traceback" not in stderr
+    assert time.monotonic() - started < 60
