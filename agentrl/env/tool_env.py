@@ -8,14 +8,13 @@ and a counted metric; nothing here raises into the episode loop.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jsonschema
 
-from agentrl.tools.base import Tool, ToolResult, as_text, tool_name
+from agentrl.tools.base import Tool, ToolResult, as_text, finite_number, tool_name
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.types import Task, ToolCall
 
@@ -112,13 +111,13 @@ class ToolEnv:
         to the model."""
         text = as_text(result.text if isinstance(result, ToolResult) else result)
         if isinstance(result, ToolResult):
-            reward = _finite(result.reward)
+            reward = finite_number(result.reward)
             if result.reward is not None and reward is None:
                 self.metrics["tool_invalid_results"] += 1
             elif reward is not None:
                 self.step_rewards.append(reward)
             for key, value in (result.metrics.items() if isinstance(result.metrics, dict) else ()):
-                number = _finite(value)
+                number = finite_number(value)
                 if number is None or not isinstance(key, str):
                     self.metrics["tool_invalid_results"] += 1
                     continue
@@ -134,7 +133,7 @@ class ToolEnv:
             t = self.tools[name]
             try:  # a failing reward() must not skip release(): that would leak the instance's state
                 reward = await asyncio.wait_for(t.reward(instance_id), self.limits.timeout_s)
-                number = _finite(reward)
+                number = finite_number(reward)
                 if reward is not None and number is None:
                     self.metrics["tool_invalid_results"] += 1
                 total += number or 0.0
@@ -152,11 +151,3 @@ def _describe(error: Exception) -> str:
         return as_text(str(error))
     except Exception:  # noqa: BLE001 - a plug-in's exception may fail to print
         return "<unprintable>"
-
-
-def _finite(value: Any) -> float | None:
-    """`value` as a finite float, or None (None, text, NaN, infinity, objects)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None

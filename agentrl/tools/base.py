@@ -12,6 +12,7 @@ import asyncio
 import functools
 import inspect
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -121,3 +122,12 @@ def as_text(value: Any) -> str:
     except UnicodeEncodeError:
         value = value.encode("utf-8", errors="backslashreplace").decode("utf-8")
     return value
+
+
+def finite_number(value: Any) -> float | None:
+    """`value` as a finite float, or None (None, text, bools, NaN, infinity, objects): what a tool's
+    reward or metric must be to count."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None

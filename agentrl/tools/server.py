@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from agentrl.tools.base import Tool, ToolResult, as_text, tool_name
+from agentrl.tools.base import Tool, ToolResult, as_text, finite_number, tool_name
 
 
 @dataclass(frozen=True)
@@ -219,15 +219,16 @@ def _routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         if not isinstance(result, ToolResult):
             result = ToolResult(as_text(result))
         text = as_text(result.text)  # also escapes lone surrogates, which JSON cannot carry
-        metrics = {str(k): float(v) for k, v in result.metrics.items()}
-        reward = None if result.reward is None else float(result.reward)
+        # Only finite numbers cross the wire (JSON has no NaN); the client's ToolEnv counts the rest.
+        metrics = {str(k): n for k, v in (result.metrics or {}).items() if (n := finite_number(v)) is not None}
+        reward = finite_number(result.reward)
         return {"text": text, "reward": reward, "metrics": metrics, "error": None}
 
     @app.post("/instances/{instance_id}/reward", dependencies=[auth])
     async def reward(instance_id: str) -> dict[str, Any]:
         name = host.instance(instance_id).tool
         value, error = await host.call(name, "reward", lambda: host.tools[name].reward(instance_id))
-        return {"reward": None if value is None else float(value), "error": error}
+        return {"reward": finite_number(value), "error": error}
 
     @app.delete("/instances/{instance_id}", dependencies=[auth])
     async def release(instance_id: str) -> dict[str, Any]:
