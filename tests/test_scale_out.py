@@ -41,7 +41,7 @@ def train_command(tiny_model_dir: Path, out: Path, *overrides: str) -> list[str]
 def env(tmp_path):
     (tmp_path / "scale_rewards.py").write_text(REWARDS)
     return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "RAY_USAGE_STATS_ENABLED": "0"}
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def metrics(run: Path) -> list[dict]:
@@ -120,6 +120,29 @@ def test_a_run_killed_mid_step_resumes_exactly(tmp_path, tiny_model_dir, env, ba
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
 
+def tcp_peers(pids: list[int]) -> set[str]:
+    """Remote addresses of the TCP connections the given processes hold (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except (FileNotFoundError, PermissionError):
+            continue
+    peers = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes and fields[3] == "01":  # ESTABLISHED
+                raw = fields[2].split(":")[0]
+                words = [raw[i:i + 8] for i in range(0, width, 8)]
+                peers.add(".".join(str(b) for w in words[-1:] for b in bytes.fromhex(w)[::-1])
+                          if width == 8 or words[:3] in (["00000000"] * 2 + ["FFFF0000"],) else raw)
+    return peers
+
+
 def test_a_killed_worker_stops_the_run_within_a_minute_naming_it(tmp_path, tiny_model_dir, env):
     out = tmp_path / "run"
     process = subprocess.Popen(train_command(tiny_model_dir, out, "trainer.backend=ray", "trainer.world_size=2",
@@ -132,7 +155,10 @@ def test_a_killed_worker_stops_the_run_within_a_minute_naming_it(tmp_path, tiny_
             assert process.poll() is None, process.stderr.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        victim = json.loads((out / "workers.json").read_text())["policy rank 1"]
+        workers = json.loads((out / "workers.json").read_text())
+        # Ray and the process groups talk over loopback only.
+        assert tcp_peers([process.pid, *workers.values()]) <= {"127.0.0.1"}
+        victim = workers["policy rank 1"]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         _, stderr = process.communicate(timeout=120)

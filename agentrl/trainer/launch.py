@@ -317,9 +317,9 @@ class RayRoles(Roles):
 
 
 def start_local_ray(bundles: list[dict[str, float]]) -> None:
-    """A Ray instance for this run only, on loopback, without usage reporting or a dashboard."""
+    """A Ray instance for this run only, on loopback (see roles.start_roles), without usage
+    reporting or a dashboard."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # nothing outside this machine can reach it
     cpus = max(sum(b.get("CPU", 0.0) for b in bundles), float(os.cpu_count() or 1))
     gpus = sum(b.get("GPU", 0.0) for b in bundles)
     ray.init(num_cpus=int(cpus + 0.999), num_gpus=int(gpus), include_dashboard=False, namespace="agentrl",

@@ -9,6 +9,7 @@ are what an actor runs in its own process to build its worker.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,11 @@ class LocalRoles(Roles):
 def start_roles(config: RecipeConfig, tokenizer: Any) -> Roles:
     """The backend the recipe asks for (trainer.backend)."""
     if config.trainer.backend == "ray":
+        if config.trainer.ray_address is None:
+            # A private single-node Ray: left to itself it binds and connects on the machine's
+            # network address; this (read when ray is imported) keeps every socket on 127.0.0.1.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from agentrl.trainer.launch import RayRoles  # the only module that imports ray
 
         return RayRoles(config, tokenizer)
