@@ -20,11 +20,20 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSettings(_Section):
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (full fine-tuning).")
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha (null: 2 × rank).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] | str = Field("all-linear", description="Layers to adapt: module names, or "
+                                                                      "'all-linear' (every linear but the head).")
+
+
 class ModelConfig(_Section):
     path: str = Field("smollm2-135m-instruct", description="Local model directory, hub id, or builtin name.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weight dtype of the engine's model.")
     chat_template: str | None = Field(
         None, description="'hermes', a Jinja file, or null for the model's own (hermes if it ignores tools).")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapters (SFT and RL).")
 
 
 class ArithmeticConfig(_Section):

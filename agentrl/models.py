@@ -10,6 +10,7 @@ This module does not train or serve models; it only finds and loads them.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -126,11 +127,19 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, needs_to
 
 
 def load_model(name_or_path: str, dtype: str = "float32"):
+    """A causal LM in eval mode; a saved LoRA adapter directory loads as its base model with the
+    adapter merged in."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(name_or_path)
+    adapter = Path(path) / "adapter_config.json"
     try:
+        if adapter.is_file():
+            from agentrl.trainer.lora import load_merged
+
+            base = json.loads(adapter.read_text())["base_model_name_or_path"]
+            return load_merged(path, base, dtype).eval()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise ConfigError(f"model '{name_or_path}': loading failed ({str(e).splitlines()[0]})") from None

@@ -69,35 +69,48 @@ def save_model(model: torch.nn.Module, tokenizer: Any, path: str | Path, rank: i
     if rank != 0:
         return
     with atomic_directory(path) as staging:
-        model.save_pretrained(staging, state_dict=state)
-        if state is not None:  # save_pretrained records the wrapper's class name; record the model's
+        model.save_pretrained(staging, state_dict=state)  # a LoRA model writes its adapters only
+        if state is not None and not hasattr(model, "peft_config"):
+            # save_pretrained records the FSDP wrapper's class name; record the model's own
             config = model.config.__class__.from_pretrained(staging)
             config.architectures = [unsharded_class(model).__name__]
             config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 
 
+def _training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, Any]:
+    """(model state, options) without frozen weights (a LoRA model's base is not training state).
+    torch's ignore_frozen_params misses a tied head, so the model state keeps trainable names only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    frozen = any(not p.requires_grad for p in model.parameters())
+    options = StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    if frozen:
+        model_state = {name: value for name, value in model_state.items() if name in trainable}
+    return {"model": model_state, "optim": optim_state}, options
+
+
 def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: "Ranks") -> None:
     """Model and optimizer state with torch.distributed.checkpoint; all ranks call it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    state, _ = _training_state(model, optimizer)
     with warnings.catch_warnings():  # one process is a valid case, not a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path), no_dist=not ranks.distributed)
+        dcp.save(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
 
 
 def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: "Ranks") -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state, options = _training_state(model, optimizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:

@@ -20,7 +20,8 @@ import torch
 
 from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
 from agentrl.trainer.checkpoint import load_sharded, save_model, save_sharded
-from agentrl.trainer.distributed import Ranks, buckets, full_tensor, full_tensors, shard_model
+from agentrl.trainer.distributed import Ranks, buckets, full_tensor, shard_model
+from agentrl.trainer.lora import merged_weights
 from agentrl.trainer.logprobs import (attach_token_logprobs, mini_batch_schedule, pad_values, padded_micro_batches,
                                       token_logprobs)
 
@@ -86,7 +87,8 @@ class PolicyWorker:
         self.clip = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation)
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
         self.bf16_autocast = bf16_autocast
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                           weight_decay=weight_decay)  # with LoRA: the adapters only
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
         self.rng = random.Random(seed)
@@ -184,8 +186,9 @@ class PolicyWorker:
         return metrics
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors for weight sync, names as in state_dict(); every rank must exhaust it."""
-        yield from full_tensors(self.model)
+        """Full tensors for weight sync, named as the base model's state_dict (LoRA merged in);
+        every rank must exhaust it."""
+        yield from merged_weights(self.model)
 
     def push_weights(self, sink: WeightSink, version: int, bucket_bytes: int) -> None:
         """Weight sync: every rank gathers each full tensor (a collective), rank 0 sends them to the

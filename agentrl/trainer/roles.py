@@ -21,6 +21,7 @@ from agentrl.rollout.worker import LocalSink, RolloutWorker
 from agentrl.trainer.checkpoint import TRAINER_STATE, commit_checkpoint, staging_checkpoint
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
+from agentrl.trainer.lora import add_lora
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.types import Task, Trajectory
 
@@ -37,6 +38,10 @@ def make_policy(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> Po
     model = load_model(config.model.path).to(t.device)
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if config.model.lora.rank > 0:
+        if t.activation_checkpointing:
+            model.enable_input_require_grads()  # frozen embeddings: recomputed layers still need grads
+        model = add_lora(model, config.model.lora, config.model.path)
     return PolicyWorker(
         model, pad_id, lr=t.lr, temperature=config.rollout.temperature, weight_decay=t.weight_decay,
         warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,

@@ -52,7 +52,7 @@ def sft_train(model: torch.nn.Module, samples: list[Sample], pad_id: int, steps:
     """AdamW on the token-mean negative log-likelihood of mask-1 tokens; returns the loss per step."""
     rng = random.Random(seed)
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for _ in range(steps):
@@ -93,6 +93,10 @@ def run_sft(config) -> str:
     renderer = ChatRenderer(tokenizer, tools)
     samples = [conversation_sample(renderer, c) for c in conversations]
     model = load_model(s.base_model)
+    if config.model.lora.rank > 0:  # the adapters train and are saved; load_model merges them for use
+        from agentrl.trainer.lora import add_lora
+
+        model = add_lora(model, config.model.lora, s.base_model)
     started = time.perf_counter()
     losses = sft_train(model, samples, tokenizer.pad_token_id, s.steps, s.batch_size, s.lr, s.seed,
                        s.bf16_autocast, on_step=lambda step, loss: print(f"sft step {step}/{s.steps} loss {loss:.4f}"))

@@ -1,0 +1,89 @@
+"""LoRA through peft: adapters on a causal LM, the merged weights an engine receives, and loading a
+saved adapter for inference.
+
+Only the adapters train (the base weights are frozen, so the backward pass computes no gradient for
+them and the optimizer holds state for the adapters alone) and only they are checkpointed. Engines
+know nothing of LoRA: every weight sync sends full tensors under the base model's names, with each
+adapted layer merged as W + scaling · B·A. The merge happens on the gathered full tensors, so it is
+the same under FSDP. This module does not choose which layers to adapt beyond peft's own options.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from agentrl.trainer.distributed import full_tensors
+
+if TYPE_CHECKING:
+    from agentrl.config import LoraSettings
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str) -> torch.nn.Module:
+    """The model wrapped with fresh LoRA adapters (B = 0, so it starts as the base model). `base` is
+    what the model was loaded from (a directory, hub id or builtin name; itself possibly a saved
+    adapter), recorded in the adapter's config so that loading the adapter rebuilds the same model."""
+    from peft import LoraConfig, get_peft_model
+
+    from agentrl.models import resolve_model
+
+    resolved = resolve_model(base)
+    model.config._name_or_path = str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
+
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha if settings.alpha is not None else 2 * settings.rank,
+                        lora_dropout=settings.dropout, target_modules=settings.target_modules, bias="none",
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors named as the base model's state_dict, each LoRA layer merged into its weight.
+    For a model without adapters, its own full tensors. Every rank must exhaust it (gathers)."""
+    if not is_lora(model):
+        yield from full_tensors(model)
+        return
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name.removeprefix(_PEFT_PREFIX): module for name, module in model.named_modules()
+              if isinstance(module, LoraLayer)}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in full_tensors(model):
+        name = name.removeprefix(_PEFT_PREFIX)
+        owner = next((layer for layer in (name.split(".base_layer.")[0], name.split(".lora_")[0]) if layer in layers), None)
+        if owner is None:
+            yield name, tensor
+            continue
+        part = name[len(owner) + 1:]
+        if part.startswith("base_layer.") and not part.endswith(".weight"):
+            yield f"{owner}.{part.removeprefix('base_layer.')}", tensor  # the base layer's bias
+            continue
+        parts = pending.setdefault(owner, {})
+        parts["A" if part.startswith("lora_A.") else "B" if part.startswith("lora_B.") else "W"] = tensor
+        if len(parts) == 3:
+            yield f"{owner}.weight", _merge(layers[owner], pending.pop(owner))
+
+
+def _merge(layer: torch.nn.Module, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    (adapter,) = layer.active_adapters
+    delta = (parts["B"].float() @ parts["A"].float()) * layer.scaling[adapter]
+    if getattr(layer, "fan_in_fan_out", False):
+        delta = delta.T
+    return (parts["W"].float() + delta).to(parts["W"].dtype)
+
+
+def load_merged(adapter_dir: str, base: str, dtype: str) -> torch.nn.Module:
+    """A saved adapter applied to its base model and merged into it: a plain model for engines.
+    The base may itself be a saved adapter (LoRA RL after LoRA SFT); it is merged first."""
+    from peft import PeftModel
+
+    from agentrl.models import load_model
+
+    return PeftModel.from_pretrained(load_model(base, dtype), adapter_dir).merge_and_unload()
