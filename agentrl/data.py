@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from agentrl.errors import ConfigError
 from agentrl.tools.builtin.calculator import evaluate
@@ -105,19 +105,30 @@ def arithmetic_demonstrations(n: int, seed: int, min_digits: int, max_digits: in
     return conversations
 
 
+def jsonl_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-empty line of a JSONL file; a line that is not a JSON
+    object is a ConfigError naming the file and the line."""
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{number}: expected a JSON object")
+        yield number, row
+
+
 def conversation_file(path: str) -> list[list[dict[str, Any]]]:
     """A jsonl file with one {"messages": [...]} object per line."""
     if not Path(path).is_file():
         raise ConfigError(f"sft.data: '{path}' not found")
     conversations = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            messages = row["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ConfigError(f"{path}:{number}: expected a JSON object with a 'messages' list") from None
+    for number, row in jsonl_objects(path):
+        messages = row.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ConfigError(f"{path}:{number}: expected a JSON object with a 'messages' list")
         if not any(m.get("role") == "assistant" for m in messages):
             raise ConfigError(f"{path}:{number}: the conversation has no assistant turn to learn from")
         conversations.append(messages)

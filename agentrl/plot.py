@@ -8,12 +8,12 @@ This is a quick look at finished runs, not a dashboard: TensorBoard (tracking.py
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl.data import jsonl_objects
 from agentrl.errors import ConfigError
 
 # panel file name → (title, one subplot per key)
@@ -47,15 +47,7 @@ def read_run(run_dir: str | Path) -> list[dict[str, float]]:
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl (written by agentrl train)")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}:{number}: expected a JSON object of metrics")
+    for _, row in jsonl_objects(path):
         rows.append({**row, "step": row.get("step", len(rows) + 1)})
     if not rows:
         raise ConfigError(f"{path}: no steps logged")

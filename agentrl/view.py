@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from markupsafe import Markup, escape
 
+from agentrl.data import jsonl_objects
 from agentrl.errors import ConfigError
 
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
@@ -65,14 +66,8 @@ def load_trajectories(run_dir: Path, steps: set[int] | None = None) -> list[dict
     records: list[dict[str, Any]] = []
     present: set[int] = set()
     for path, source, file_step in sources:
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            missing = [key for key in _REQUIRED if not isinstance(record, dict) or key not in record]
+        for number, record in jsonl_objects(path):
+            missing = [key for key in _REQUIRED if key not in record]
             if missing:
                 raise ConfigError(f"{path}:{number}: not a trajectory (missing {', '.join(missing)})")
             record["step"] = int(record.get("step", file_step or 0))

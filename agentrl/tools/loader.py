@@ -20,7 +20,7 @@ import jsonschema
 import yaml
 
 from agentrl.errors import ConfigError
-from agentrl.tools.base import FunctionTool, Tool, ToolSet, function_schema
+from agentrl.tools.base import FunctionTool, Tool, ToolSet
 
 ENTRY_POINT_GROUP = "agentrl.tools"
 ENTRY_KEYS = {"class", "config", "schema"}
