@@ -50,6 +50,8 @@ rollout: setup
 bench: setup
 	$(PY) bench/rollout_efficiency.py
 	$(PY) bench/vs_trl.py
+	$(PY) bench/fsdp_overhead.py
+	$(PY) bench/weight_sync.py
 
 clean:
 	rm -rf $(VENV) .venv-trl runs .pytest_cache
