@@ -1,8 +1,8 @@
 """Seconds to move the policy's weights from the training ranks into an engine replica in another
 process, against a plain in-memory copy of the same bytes.
 
-Measured side by side in one run, SmolLM2-135M-Instruct in float32 (273 state-dict tensors, the
-tied output head included, as the sync sends them):
+Measured side by side in one run, SmolLM2-135M-Instruct in float32 (every distinct state-dict
+tensor once, as the sync sends them; the tied output head rides on the embedding):
   sync   the Ray backend's own path (trainer/launch.py): RayRoles on a local Ray (127.0.0.1) starts
          the policy rank(s) and a RolloutWorker with its transformers engine as actors, colocated;
          the timed call is the body of RayRoles.sync_weights: PolicyWorker.push_weights on every
@@ -15,11 +15,11 @@ tied output head included, as the sync sends them):
 Each sync or copy is repeated (one warm-up, then `--repeats`, median), sync and copy alternating so
 that both see the same machine load; for each bucket size and each number of training ranks.
 
-With --zero-copy the whole set is measured again on a second local Ray whose workers serialize
-torch tensors zero-copy (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1, Ray >= 2.50; the replica receives
-read-only views of the object store, which it only copies from).
+Ray serializes torch tensors zero-copy here, as agentrl sets it (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1;
+the replica receives read-only views of the object store, which it only copies from). With
+--with-copies the whole set is measured again on a second local Ray that copies tensors instead.
 
-Run: python bench/weight_sync.py [--bucket-mb 256 32] [--world-sizes 1 2] [--repeats 5] [--zero-copy]
+Run: python bench/weight_sync.py [--bucket-mb 256 32] [--world-sizes 1 2] [--repeats 5] [--with-copies]
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ class Floor:
 
     def __init__(self, model: str):
         from agentrl.models import load_model
+        from agentrl.trainer.distributed import full_tensors
 
-        state = load_model(model, "float32").state_dict()
+        state = dict(full_tensors(load_model(model, "float32")))  # what a sync sends: tied tensors once
         self.nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        self.unique_nbytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
         self.flat = torch.cat([t.reshape(-1) for t in state.values()])
         self.flat_target = torch.empty_like(self.flat)
         sizes = [t.numel() for t in state.values()]  # per-tensor views of the same two buffers
@@ -109,12 +109,14 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[256, 32], help="trainer.sync_bucket_mb values")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2], help="training ranks (FSDP2 above 1)")
     parser.add_argument("--repeats", type=int, default=5, help="timed syncs per setting, after one warm-up")
-    parser.add_argument("--zero-copy", action="store_true",
-                        help="also measure with Ray's zero-copy torch tensors (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1)")
+    parser.add_argument("--with-copies", action="store_true",
+                        help="also measure with Ray copying tensors (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench/weight_sync"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the actors inherit it: no load bars
+    from agentrl.trainer.roles import ray_environment
 
+    ray_environment(private=True)  # before ray is imported: loopback only, as agentrl runs it
     import ray
 
     from agentrl.models import load_tokenizer, provision_builtin
@@ -126,11 +128,10 @@ def main() -> None:
     floor = Floor(model)
     print(machine_line(f"{threads} in the engine actor and for the copy", "float32"), flush=True)
     print(f"weights: {len(floor.tensors)} tensors, {floor.nbytes / 1e6:.1f} MB sent per sync "
-          f"({floor.unique_nbytes / 1e6:.1f} MB unique: the tied output head is sent as a second tensor); "
           f"1 warm-up + {args.repeats} timed syncs per setting; ray {ray.__version__}, loopback only", flush=True)
 
     version = 0
-    for zero_copy in (False, True) if args.zero_copy else (False,):
+    for zero_copy in (True, False) if args.with_copies else (True,):
         version = run_ray(model, tokenizer, floor, args, zero_copy, version)
 
 
@@ -150,7 +151,7 @@ def run_ray(model: str, tokenizer, floor: Floor, args: argparse.Namespace, zero_
                     steal = Steal()
                     timings, version = measure(roles, floor, bucket_mb, args.repeats, version)
                     label = (f"{world_size} training rank{'s' if world_size > 1 else ''}, buckets of {bucket_mb} MiB"
-                             + (", RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1" if zero_copy else ""))
+                             + ("" if zero_copy else ", Ray copying tensors (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0)"))
                     report(label, timings, floor, steal.stop())
             finally:
                 roles.shutdown()

@@ -101,8 +101,14 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) in state_dict order, detached. Every rank must exhaust it."""
-    for name, tensor in model.state_dict().items():
+    """(name, full tensor) in state_dict order, detached, each tensor once: a tied one (an output
+    head sharing the embedding) comes under its first name only, and the receiver's own tie
+    carries it to the other. Every rank must exhaust it."""
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
         yield name, full_tensor(tensor.detach())
 
 

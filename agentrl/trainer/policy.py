@@ -101,10 +101,11 @@ class PolicyWorker:
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
 
-    def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float] | None]:
+        """This rank's share of the batch's token logprobs (None for other ranks' rows)."""
         with self._autocast():
             return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature,
-                                    self.micro_batch_tokens)
+                                    self.micro_batch_tokens, self.ranks)
 
     def update(self, sequences: list[list[int]], masks: list[list[int]], advantages: list[list[float]],
                old_logprobs: list[list[float]] | None = None,

@@ -169,14 +169,22 @@ class LocalRoles(Roles):
         return None
 
 
+def ray_environment(private: bool) -> None:
+    """What Ray reads from the environment when it is imported, set before it is."""
+    if private:
+        # A single-node Ray of this run's own: left to itself it binds and connects on the
+        # machine's network address; this keeps every socket on 127.0.0.1. No usage reports.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Tensors arrive as views of Ray's object store instead of copies (a weight sync is 3x faster,
+    # bench/weight_sync.py); receivers only read them (the engines copy them into their weights).
+    os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+
+
 def start_roles(config: RecipeConfig, tokenizer: Any) -> Roles:
     """The backend the recipe asks for (trainer.backend)."""
     if config.trainer.backend == "ray":
-        if config.trainer.ray_address is None:
-            # A private single-node Ray: left to itself it binds and connects on the machine's
-            # network address; this (read when ray is imported) keeps every socket on 127.0.0.1.
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray_environment(private=config.trainer.ray_address is None)
         from agentrl.trainer.launch import RayRoles  # the only module that imports ray
 
         return RayRoles(config, tokenizer)
