@@ -184,11 +184,11 @@ class Doctor:
 def run_doctor(model: str, tools: str | None = None, chat_template: str | None = None, parser: str = "hermes") -> int:
     """`agentrl doctor`: prints one line per check; 0 when all pass, 1 otherwise."""
     from agentrl.models import load_tokenizer
-    from agentrl.tools.loader import build_tool, load_tools
+    from agentrl.tools.loader import build_tools, load_tools
 
     if parser not in CALL_TEXT:  # before anything loads
         raise ConfigError(f"--parser: unknown parser '{parser}' (known: {', '.join(CALL_TEXT)})")
-    tool_list = load_tools(tools) if tools else [build_tool({"class": "agentrl.tools.builtin.calculator:calculator"})]
+    tool_list = load_tools(tools) if tools else build_tools({"class": "agentrl.tools.builtin.calculator:calculator"})
     if not tool_list:
         raise ConfigError(f"{tools}: no tools to check the template with")
     doctor = Doctor(load_tokenizer(model, chat_template, needs_tools=True), tool_list, parser)
