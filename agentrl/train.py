@@ -18,6 +18,7 @@ import torch
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig, check_training, to_yaml
 from agentrl.errors import RunFailed
+from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
 from agentrl.models import enable_activation_checkpointing, load_model
 from agentrl.rollout.collect import run_episodes, summarize, write_jsonl
@@ -34,13 +35,14 @@ def build_workers(config: RecipeConfig, pad_id: int
                   ) -> tuple[PolicyWorker, ReferenceWorker | None, CriticWorker | None]:
     """The trained policy; a frozen reference when the KL is on; a critic for GAE."""
     t, a, r = config.trainer, config.algorithm, config.rollout
+    bf16_autocast = choose_dtype(t.dtype, t.device).dtype == "bfloat16"
     policy = PolicyWorker(
         load_model(config.model.path).to(t.device), pad_id, lr=t.lr, temperature=r.temperature,
         weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs,
         mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens, clip_low=a.clip_low,
         clip_high=a.clip_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
         kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
-        bf16_autocast=t.bf16_autocast, seed=config.seed)
+        bf16_autocast=bf16_autocast, seed=config.seed)
     reference = (ReferenceWorker(load_model(config.model.path).to(t.device), pad_id, r.temperature,
                                  t.micro_batch_tokens) if a.kl_coef > 0 else None)
     if t.activation_checkpointing:
@@ -53,7 +55,7 @@ def build_workers(config: RecipeConfig, pad_id: int
             enable_activation_checkpointing(value_model.decoder)
         critic = CriticWorker(value_model, pad_id, lr=config.critic.lr, value_clip=config.critic.value_clip,
                               grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
-                              micro_batch_tokens=t.micro_batch_tokens, bf16_autocast=t.bf16_autocast,
+                              micro_batch_tokens=t.micro_batch_tokens, bf16_autocast=bf16_autocast,
                               seed=config.seed)
     return policy, reference, critic
 

@@ -181,7 +181,7 @@ def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
         [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
          "model.dtype=float32", f"output_dir={out}", "reward.function=e2e_rewards:length_parity",
          "rollout.group_size=4", "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=8", "trainer.steps=2",
-         "trainer.tasks_per_step=2", "trainer.lr=1e-3", "trainer.bf16_autocast=false", "algorithm.kl_coef=0.01",
+         "trainer.tasks_per_step=2", "trainer.lr=1e-3", "trainer.dtype=float32", "algorithm.kl_coef=0.01",
          "trainer.save_every=1"],
         capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -327,7 +327,7 @@ def test_a_step_with_too_many_failed_episodes_stops_the_run_with_the_cause(tmp_p
         [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
          "model.dtype=float32", f"output_dir={tmp_path / 'run'}", "reward.function=raising_rewards:always_broken",
          "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens_per_turn=4", "trainer.steps=2",
-         "trainer.tasks_per_step=2", "trainer.bf16_autocast=false"],
+         "trainer.tasks_per_step=2", "trainer.dtype=float32"],
         capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (

@@ -8,8 +8,9 @@ the event loop keeps running tools, and requests that arrive meanwhile form the 
 The decode loop is written here instead of calling `model.generate` because the loop needs per-row
 stop tokens and token budgets, and the sampled tokens' logprobs without keeping every step's full
 vocabulary logits (`output_logits` would hold steps × batch × vocab floats). transformers'
-continuous batching was measured slower than padded decoding on CPU (FACTS.md). This engine keeps no
-KV cache between calls, so a weight update has nothing to flush.
+continuous batching was measured slower than padded decoding on CPU (FACTS.md). Between calls the
+engine keeps each request's keys and values in a prefix cache (kv_cache.py), so an episode's next
+turn prefills only its new tokens; a weight update with `flush_cache` drops that cache.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Iterable
 import torch
 from transformers import DynamicCache
 
+from agentrl.rollout.kv_cache import Prefill, PrefixKVCache, batched_prefill, row_layers, supports_prefix_reuse
 from agentrl.types import Completion, SamplingParams
+
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 
 @dataclass
@@ -58,7 +62,7 @@ class HFEngine:
     """A transformers causal LM behind the Engine protocol."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch_size: int = 32,
-                 batch_wait_s: float = 0.002, seed: int = 0):
+                 batch_wait_s: float = 0.002, seed: int = 0, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
@@ -66,7 +70,10 @@ class HFEngine:
         self.batch_wait_s = batch_wait_s  # how long a new batch waits for episodes about to ask
         self.weight_version = 0
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0}
+        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
+                      "kv_cache_bytes": 0, "kv_cache_evictions": 0}
+        # 0 bytes (or a model with sliding-window or linear-attention layers) turns prefix reuse off.
+        self.prefix_cache = PrefixKVCache(kv_cache_bytes if supports_prefix_reuse(model.config) else 0)
         self._pending: list[_Request] = []
         self._server: asyncio.Task | None = None
         self._lock = threading.Lock()  # decoding and weight updates never overlap
@@ -112,24 +119,39 @@ class HFEngine:
             return self._decode(prompts, sampling)
 
     def _decode(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        ids_BT = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        mask_BT = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding keeps every row's last token aligned
-            ids_BT[row, width - len(prompt):] = torch.tensor(prompt)
-            mask_BT[row, width - len(prompt):] = 1
-        ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
-        positions_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
+        hits = [self.prefix_cache.lookup(p) for p in prompts]
+        prefill = batched_prefill(prompts, hits, self.pad_token_id, self.device, self.model.config)
+        new_ids, new_logprobs, finish, past = self._sample(prefill, sampling)
+        if self.prefix_cache.budget_bytes > 0:
+            for row, (prompt, hit, ids) in enumerate(zip(prompts, hits, new_ids)):
+                fed = max(len(ids) - 1, 0)  # the last sampled token was never fed back
+                self.prefix_cache.store(prompt + ids[:fed], row_layers(past, prefill, row, fed),
+                                        replaces=hit.key if hit.covers_entry else None)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(prompts)
+        self.stats["generated_tokens"] += sum(len(t) for t in new_ids)
+        self.stats["prefill_tokens"] += sum(prefill.new)
+        self.stats["cached_tokens"] += sum(prefill.cached)
+        self.stats["kv_cache_bytes"] = self.prefix_cache.bytes
+        self.stats["kv_cache_evictions"] = self.prefix_cache.evictions
+        return [Completion(ids, lps, fin, self.weight_version)  # type: ignore[arg-type]
+                for ids, lps, fin in zip(new_ids, new_logprobs, finish)]
+
+    def _sample(self, prefill: Prefill, sampling: list[SamplingParams]
+                ) -> tuple[list[list[int]], list[list[float]], list[str], DynamicCache]:
+        """The prefill forward pass, then one token per row per step until every row stopped."""
+        batch = len(sampling)
+        mask_BT = prefill.mask_BT
         temperature, top_p = sampling[0].temperature, sampling[0].top_p
         stops = [set(s.stop_token_ids) for s in sampling]
         budgets = [s.max_new_tokens for s in sampling]
-        new_ids: list[list[int]] = [[] for _ in prompts]
-        new_logprobs: list[list[float]] = [[] for _ in prompts]
+        new_ids: list[list[int]] = [[] for _ in sampling]
+        new_logprobs: list[list[float]] = [[] for _ in sampling]
         finish = ["length"] * batch
         done = [b <= 0 for b in budgets]
-        out = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=positions_BT,
-                         past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
-        next_pos_B = positions_BT[:, -1] + 1
+        out = self.model(input_ids=prefill.ids_BN, attention_mask=mask_BT, position_ids=prefill.positions_BN,
+                         past_key_values=prefill.past, use_cache=True, logits_to_keep=1)
+        next_pos_B = prefill.positions_BN[:, -1] + 1
         while not all(done):
             tok_B, logp_B = sample_tokens(out.logits[:, -1, :], temperature, top_p, self.generator)
             for row, (tok, logp) in enumerate(zip(tok_B.tolist(), logp_B.tolist())):
@@ -147,11 +169,7 @@ class HFEngine:
             out = self.model(input_ids=tok_B[:, None], attention_mask=mask_BT, position_ids=next_pos_B[:, None],
                              past_key_values=out.past_key_values, use_cache=True)
             next_pos_B = next_pos_B + 1
-        self.stats["batches"] += 1
-        self.stats["requests"] += batch
-        self.stats["generated_tokens"] += sum(len(t) for t in new_ids)
-        return [Completion(ids, lps, fin, self.weight_version)  # type: ignore[arg-type]
-                for ids, lps, fin in zip(new_ids, new_logprobs, finish)]
+        return new_ids, new_logprobs, finish, out.past_key_values
 
     @torch.no_grad()
     def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
@@ -168,8 +186,12 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush_cache: bool = True) -> None:
-        """Copy tensors into the model in place (names as in `state_dict()`)."""
+        """Copy tensors into the model in place (names as in `state_dict()`). `flush_cache` drops the
+        prefix cache, whose keys and values the old weights computed; without it they are reused."""
         with self._lock:
+            if flush_cache:
+                self.prefix_cache.clear()
+                self.stats["kv_cache_bytes"] = 0
             targets = self.model.state_dict()  # shares storage with the live parameters
             for name, tensor in named_tensors:
                 if name not in targets:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from agentrl.config import RecipeConfig, to_yaml
 from agentrl.errors import ConfigError
+from agentrl.hardware import choose_dtype
 from agentrl.data import arithmetic_tasks, dataset_tasks
 from agentrl.env.interaction import load_interaction
 from agentrl.env.rewards import load_reward_fn
@@ -61,9 +62,10 @@ def build_runner(config: RecipeConfig, engine: HFEngine | None = None,
     tasks = load_tasks(config, files_key)
     tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=bool(tools))
     if engine is None:
-        model = load_model(config.model.path, config.model.dtype).to(config.engine.device)
+        dtype = choose_dtype(config.model.dtype, config.engine.device).dtype
+        model = load_model(config.model.path, dtype).to(config.engine.device)
         engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=config.engine.max_batch_size,
-                          seed=config.engine.seed)
+                          seed=config.engine.seed, kv_cache_bytes=config.engine.kv_cache_bytes)
     runner = EpisodeRunner(engine, tokenizer, tools, get_parser(config.rollout.parser), episode_settings(config),
                            interaction, reward_fn)
     return runner, tasks
