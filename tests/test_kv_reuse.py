@@ -130,7 +130,8 @@ def test_episode_turns_prefill_only_new_tokens(stopping_model, tokenizer):
     [traj], engine = run_episodes(stopping_model, tokenizer, arithmetic_tasks(1, seed=0), group=1)
     assert traj.finish == "stop" and traj.metrics["turns"] == 3
     starts = request_lengths(traj.loss_mask)
-    ends = [i for i, m in enumerate(traj.loss_mask) if m and (i + 1 == len(traj.loss_mask) or not traj.loss_mask[i + 1])]
+    mask = traj.loss_mask + [0]
+    ends = [i for i, m in enumerate(traj.loss_mask) if m and not mask[i + 1]]  # each turn's last sample
     reused = ends[:-1]  # turn t + 1 reuses what turn t fed the model: its ids and all its samples but the last
     assert engine.stats["cached_tokens"] == sum(reused)
     assert engine.stats["prefill_tokens"] == starts[0] + sum(s - r for s, r in zip(starts[1:], reused))

@@ -156,15 +156,3 @@ def _padded_past(hits: list[Hit], width_c: int) -> KV:
                 values_BHCD[row, :, width_c - hit.length:] = v_HTD[:, :hit.length]
         out.append((keys_BHCD, values_BHCD))
     return out
-
-
-def row_layers(past: DynamicCache, prefill: Prefill, row: int, fed_after: int) -> KV:
-    """Row `row`'s keys and values, in token order, for its prompt and the `fed_after` sampled
-    tokens fed back after the prefill (copies: the batch's cache can then be freed)."""
-    width_n = prefill.ids_BN.shape[1]
-    width_c = prefill.mask_BT.shape[1] - width_n
-    device = past.layers[0].keys.device
-    columns = torch.cat([torch.arange(width_c - prefill.cached[row], width_c),
-                         torch.arange(width_c + width_n - prefill.new[row], width_c + width_n + fed_after)]).to(device)
-    return [(layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns))
-            for layer in past.layers]
