@@ -1,14 +1,15 @@
 """The transformers engine's prefix KV cache: an episode's keys and values kept between its turns.
 
-After a decode, every request leaves an entry: the token ids the model has seen (prompt plus every
-sampled token but the last, which was never fed back) and their per-layer keys and values. A later
-request reuses the entry sharing the longest common prefix with its ids, so the next turn of an
-episode prefills only the tool or user output and the generation prompt, and episodes of a group
-share their prompt. Entries are evicted least recently used first once their tensor bytes pass the
-budget; a miss simply prefills everything again. A weight update drops every entry.
+Every request leaves an entry when it stops: the token ids the model has seen (prompt plus every
+sampled token but the last, which was never fed back) and their per-layer keys and values (copies,
+accounted by tensor bytes). A later request reuses the entry sharing the longest common prefix with
+its ids, so the next turn of an episode prefills only the tool or user output and the generation
+prompt, and episodes of a group share their prompt; an entry the new one extends is dropped.
+Entries are evicted least recently used first once their bytes pass the budget; a miss simply
+prefills everything again. A weight update drops every entry.
 
-A batch mixes rows with different cached lengths. `batched_prefill` left-pads the cached keys and
-values to the longest cached length C and the new tokens to the longest new length N, so a row
+Rows prefilled together have different cached lengths. `batched_prefill` left-pads the cached keys
+and values to the longest cached length C and the new tokens to the longest new length N, so a row
 reads `[pad | cached | pad | new]`; the attention mask hides both gaps and the position ids count
 only real tokens, which is what the row would see alone (keys carry their rotary positions from
 when they were computed).
