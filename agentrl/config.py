@@ -28,9 +28,25 @@ class LoraSettings(_Section):
                                                                       "'all-linear' (every linear but the head).")
 
 
+Dtype = Literal["auto", "float32", "bfloat16"]
+DTYPE_AUTO = ("'auto': bfloat16 where the hardware computes in it faster (a CUDA device with bf16, or a CPU "
+              "with AMX or AVX512-BF16 that wins a start-up matmul probe), else float32.")
+
+
+def _read_bf16_autocast(data: Any, section: str) -> Any:
+    """Recipes written before `dtype` existed said `bf16_autocast: true/false`; read it as dtype."""
+    if isinstance(data, dict) and "bf16_autocast" in data:
+        data = dict(data)
+        old = data.pop("bf16_autocast")
+        if "dtype" in data:
+            raise ValueError(f"{section}.bf16_autocast and {section}.dtype are both set; keep only dtype")
+        data["dtype"] = "bfloat16" if old else "float32"
+    return data
+
+
 class ModelConfig(_Section):
     path: str = Field("smollm2-135m-instruct", description="Local model directory, hub id, or builtin name.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weight dtype of the engine's model.")
+    dtype: Dtype = Field("auto", description="Weight dtype of the engine's model. " + DTYPE_AUTO)
     chat_template: str | None = Field(
         None, description="'hermes', a Jinja file, or null for the model's own (hermes if it ignores tools).")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapters (SFT and RL).")
@@ -77,6 +93,9 @@ class EngineConfig(_Section):
     device: str = Field("cpu", description="Torch device of the engine.")
     max_batch_size: int = Field(64, ge=1, description="Generate calls decoded together.")
     seed: int = Field(0, description="Sampling seed.")
+    kv_cache_bytes: int = Field(2 * 1024**3, ge=0, description="Memory for keys and values kept between an "
+                                "episode's turns, so a turn prefills only its new tokens; least recently used "
+                                "entries are evicted beyond it (0: off).")
 
 
 class RewardConfig(_Section):
@@ -98,8 +117,14 @@ class SFTConfig(_Section):
     steps: int = Field(20, ge=0, description="Optimizer steps.")
     batch_size: int = Field(4, ge=1, description="Conversations per step.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
-    bf16_autocast: bool = Field(False, description="Run forward passes under bfloat16 autocast.")
+    dtype: Dtype = Field("auto", description="Compute dtype of forward passes: bfloat16 runs them under autocast, "
+                                             "weights stay float32. " + DTYPE_AUTO)
     seed: int = Field(1000, description="Seed of demonstrations and batch order.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_autocast_key(cls, data: Any) -> Any:
+        return _read_bf16_autocast(data, "sft")
 
 
 class AlgorithmConfig(_Section):
@@ -129,7 +154,8 @@ class TrainerConfig(_Section):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass.")
     micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward/backward.")
-    bf16_autocast: bool = Field(False, description="Run training forward passes under bfloat16 autocast.")
+    dtype: Dtype = Field("auto", description="Compute dtype of training forward passes: bfloat16 runs them under "
+                                             "autocast, weights and optimizer state stay float32. " + DTYPE_AUTO)
     activation_checkpointing: bool = Field(False, description="Recompute decoder activations in the backward "
                                                             "pass: less memory per token, more compute.")
     device: str = Field("cpu", description="Torch device of the policy, reference and critic models.")
@@ -164,6 +190,11 @@ class TrainerConfig(_Section):
     max_failed_fraction: float = Field(0.25, ge=0, le=1, description="Stop the run when more than this share of a "
                                                                      "step's episodes fail (engine, reward or "
                                                                      "interaction errors).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_autocast_key(cls, data: Any) -> Any:
+        return _read_bf16_autocast(data, "trainer")
 
 
 class CriticConfig(_Section):

@@ -1,13 +1,18 @@
 """How much of the engine's raw generation speed the multi-turn loop keeps, and how much tool
 latency it hides.
 
-Measured side by side in one run, on SmolLM2-135M-Instruct (CPU):
+Measured side by side in one run, on SmolLM2-135M-Instruct (CPU), same engine, tasks and sampling
+settings (temperature 0.8) throughout:
   loop     the episode loop with the calculator: N tasks × G episodes, all concurrent;
-  plain    the same engine generating the same number of tokens from the same first prompts in
-           plain batched calls (no tools, no turns);
+  plain    the same engine generating exactly the loop's token count from the same first prompts,
+           all asked at once (no tools, no turns, no stop tokens: each prompt gets its share);
   delayed  the loop again with every tool call delayed by 0.5 s.
-Prints tokens/s of each and the ratios loop/plain and delayed/plain, plus how much of the total
-tool delay (calls × 0.5 s) did not show up as extra wall time.
+The engine's prefix cache is emptied before each, so no run reuses another's keys and values.
+Prints the CPU's bf16 features and the dtype the engine ran in; then per round (`--rounds`, the
+three runs interleaved, because the machine is noisy) tokens/s of each, the ratios loop/plain and
+delayed/loop ("delayed/instant"), prompt tokens prefilled and reused from the prefix cache, requests
+that joined a running batch, and how much of the total tool delay (calls × 0.5 s) did not show up
+as extra wall time; finally the medians of the ratios over the rounds.
 
 Untrained SmolLM2 never calls tools, so the model first gets a short supervised warm-up on generated
 calculator demonstrations (cached under runs/bench/). Run: python bench/rollout_efficiency.py
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import platform
 import statistics
@@ -28,6 +32,7 @@ import torch
 
 from agentrl.data import arithmetic_tasks
 from agentrl.env.rewards import gsm8k_reward
+from agentrl.hardware import choose_dtype, cpu_bf16_support
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.chat import ChatRenderer
@@ -51,10 +56,10 @@ def demonstration(task: Task) -> list[dict]:
             {"role": "assistant", "content": f"The answer is {value}."}]
 
 
-def warmed_up_model(cache: Path, steps: int):
+def warmed_up_model(cache: Path, steps: int, dtype: str):
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     if (cache / "config.json").is_file():
-        return load_model(str(cache)), tokenizer
+        return load_model(str(cache), dtype), tokenizer
     model = load_model("smollm2-135m-instruct")
     renderer = ChatRenderer(tokenizer, [calculator])
     samples = [conversation_sample(renderer, demonstration(t))
@@ -65,7 +70,7 @@ def warmed_up_model(cache: Path, steps: int):
           f"loss {losses[0]:.3f} -> {statistics.mean(losses[-5:]):.3f}")
     model.save_pretrained(cache)
     tokenizer.save_pretrained(cache)
-    return model, tokenizer
+    return load_model(str(cache), dtype), tokenizer
 
 
 def delayed(seconds: float) -> FunctionTool:
@@ -79,24 +84,60 @@ def delayed(seconds: float) -> FunctionTool:
 
 
 def run_loop(engine, tokenizer, tools, tasks, group, settings):
+    engine.prefix_cache.clear()
+    before = dict(engine.stats)
     runner = EpisodeRunner(engine, tokenizer, tools, parse_hermes, settings, reward_fn=gsm8k_reward)
     started = time.perf_counter()
     trajectories = asyncio.run(collect(runner, tasks, group, max_concurrent=len(tasks) * group))
-    return summarize(trajectories, time.perf_counter() - started)
+    summary = summarize(trajectories, time.perf_counter() - started)
+    counts = {key: engine.stats[key] - before[key] for key in ("prefill_tokens", "cached_tokens", "batches")}
+    return summary | counts | {"joined": engine.stats["joined_requests"] - before["joined_requests"]}
 
 
-def run_plain(engine, tokenizer, tasks, group, total_tokens, settings, batch_size):
+def run_plain(engine, tokenizer, tasks, group, total_tokens, settings):
+    """Exactly `total_tokens` from the loop's first prompts, split as evenly as whole tokens allow,
+    asked concurrently through `generate` like the loop (so the same decode thread serves both)."""
+    engine.prefix_cache.clear()
     renderer = ChatRenderer(tokenizer, [calculator])
     prompts = [renderer.prompt_ids(t.messages(SYSTEM)) for t in tasks for _ in range(group)]
-    per_prompt = math.ceil(total_tokens / len(prompts))
-    sampling = SamplingParams(per_prompt, settings.temperature, settings.top_p, stop_token_ids=())
+    shares = [total_tokens // len(prompts) + (i < total_tokens % len(prompts)) for i in range(len(prompts))]
+
+    async def ask_all():
+        return await asyncio.gather(*(
+            engine.generate(p, SamplingParams(n, settings.temperature, settings.top_p, stop_token_ids=()))
+            for p, n in zip(prompts, shares)))
+
     started = time.perf_counter()
-    generated = 0
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i:i + batch_size]
-        generated += sum(len(c.token_ids) for c in engine.generate_batch(chunk, [sampling] * len(chunk)))
+    generated = sum(len(c.token_ids) for c in asyncio.run(ask_all()))
     wall = time.perf_counter() - started
     return {"tokens_generated": generated, "wall_s": wall, "tokens_per_s": generated / wall}
+
+
+def report(name: str, r: dict, episodes: int) -> None:
+    print(f"{name:8} {r['tokens_generated']:7.0f} {r['wall_s']:7.1f} {r['tokens_per_s']:7.1f} "
+          f"{r.get('tool_calls_per_episode', 0) * episodes:10.0f} {r.get('reward_mean', float('nan')):6.2f} "
+          f"{r.get('mean_turns', float('nan')):5.2f} {r.get('prefill_tokens', 0):8.0f} "
+          f"{r.get('cached_tokens', 0):7.0f} {r.get('joined', 0):6.0f}")
+
+
+def one_round(engine, tokenizer, tasks, args, settings) -> tuple[float, float, float]:
+    """loop, plain, delayed side by side; returns loop/plain, delayed/instant and the share of the
+    tool delay hidden."""
+    episodes = args.tasks * args.group
+    loop = run_loop(engine, tokenizer, [calculator], tasks, args.group, settings)
+    plain = run_plain(engine, tokenizer, tasks, args.group, loop["tokens_generated"], settings)
+    slow = run_loop(engine, tokenizer, [delayed(args.delay)], tasks, args.group, settings)
+    print(f"{'':8} {'tokens':>7} {'wall s':>7} {'tok/s':>7} {'tool calls':>10} {'reward':>6} {'turns':>5} "
+          f"{'prefill':>8} {'reused':>7} {'joined':>6}")
+    for name, r in (("plain", plain), ("loop", loop), ("delayed", slow)):
+        report(name, r, episodes)
+    total_delay = slow["tool_calls_per_episode"] * episodes * args.delay
+    extra = slow["wall_s"] - loop["wall_s"] * slow["tokens_generated"] / max(loop["tokens_generated"], 1)
+    hidden = 1 - extra / total_delay if total_delay > 0 else float("nan")
+    ratios = (loop["tokens_per_s"] / plain["tokens_per_s"], slow["tokens_per_s"] / loop["tokens_per_s"], hidden)
+    print(f"loop/plain {ratios[0]:.2f}, delayed/instant {ratios[1]:.2f}; tool delay {total_delay:.1f} s in total, "
+          f"{extra:.1f} s of extra wall time (token-adjusted): {hidden:.0%} hidden by concurrency")
+    return ratios
 
 
 def main() -> None:
@@ -104,33 +145,31 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--delay", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=3, help="loop, plain, delayed this many times, interleaved")
     parser.add_argument("--warmup-steps", type=int, default=40)
     parser.add_argument("--cache", type=Path, default=Path("runs/bench/smollm2-calculator-sft"))
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, tokenizer = warmed_up_model(args.cache, args.warmup_steps)
+    flags = cpu_bf16_support()
+    dtype = choose_dtype(args.dtype, "cpu")
+    model, tokenizer = warmed_up_model(args.cache, args.warmup_steps, dtype.dtype)
     engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=64)
+    # First-call costs stay out of the timings. Every timed run goes through `generate`, so the same
+    # decode thread serves all three: on a loaded 2-core machine torch ran 2.4x slower in the main
+    # thread than in a worker thread, which would skew a comparison across the two.
+    asyncio.run(engine.generate([1, 2, 3], SamplingParams(4)))
     tasks = arithmetic_tasks(args.tasks, seed=0)
     settings = EpisodeSettings(max_turns=3, max_new_tokens_per_turn=96, max_context_tokens=1024,
                                temperature=0.8, system_prompt=SYSTEM)
-    loop = run_loop(engine, tokenizer, [calculator], tasks, args.group, settings)
-    plain = run_plain(engine, tokenizer, tasks, args.group, loop["tokens_generated"], settings, batch_size=64)
-    slow = run_loop(engine, tokenizer, [delayed(args.delay)], tasks, args.group, settings)
-
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.tasks} tasks x {args.group} episodes, temperature 0.8")
-    print(f"{'':8} {'tokens':>7} {'wall s':>7} {'tok/s':>7} {'tool calls':>10} {'reward':>6} {'turns':>5}")
-    for name, r in (("plain", plain), ("loop", loop), ("delayed", slow)):
-        print(f"{name:8} {r['tokens_generated']:7.0f} {r['wall_s']:7.1f} {r['tokens_per_s']:7.1f} "
-              f"{r.get('tool_calls_per_episode', 0) * args.tasks * args.group:10.0f} "
-              f"{r.get('reward_mean', float('nan')):6.2f} {r.get('mean_turns', float('nan')):5.2f}")
-    print(f"ratio loop/plain tokens per second:    {loop['tokens_per_s'] / plain['tokens_per_s']:.2f}")
-    print(f"ratio delayed/plain tokens per second: {slow['tokens_per_s'] / plain['tokens_per_s']:.2f}")
-    total_delay = slow["tool_calls_per_episode"] * args.tasks * args.group * args.delay
-    extra = slow["wall_s"] - loop["wall_s"] * slow["tokens_generated"] / max(loop["tokens_generated"], 1)
-    if total_delay > 0:
-        print(f"tool delay: {total_delay:.1f} s in total across calls, {extra:.1f} s of extra wall time "
-              f"(token-adjusted): {1 - extra / total_delay:.0%} hidden by concurrency")
+    print(f"cpu: AMX {'yes' if flags['amx'] else 'no'}, AVX512-BF16 {'yes' if flags['avx512_bf16'] else 'no'}; "
+          f"engine dtype {dtype.dtype} ({args.dtype}: {dtype.reason})")
+    rounds = [one_round(engine, tokenizer, tasks, args, settings) for _ in range(args.rounds)]
+    print(f"median over {args.rounds} rounds: loop/plain {statistics.median(r[0] for r in rounds):.2f}, "
+          f"delayed/instant {statistics.median(r[1] for r in rounds):.2f}, "
+          f"tool delay hidden {statistics.median(r[2] for r in rounds):.0%}")
 
 
 if __name__ == "__main__":

@@ -95,3 +95,38 @@ def test_update_weights_in_place_changes_outputs_and_version(tiny_model):
         engine.update_weights([("lm_head.bias", torch.zeros(3))], version=6)
     with pytest.raises(ValueError, match="'model.norm.weight' has shape \\(3,\\), expected \\(64,\\)"):
         engine.update_weights([("model.norm.weight", torch.zeros(3))], version=6)
+
+
+def test_a_request_arriving_mid_decode_joins_and_a_short_row_leaves_early(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    finished: list[str] = []
+
+    async def ask(name: str, prompt: list[int], n: int):
+        completion = await engine.generate(prompt, greedy(n))
+        finished.append(name)
+        return completion
+
+    async def run():
+        long = asyncio.create_task(ask("long", PROMPTS[1], 300))
+        while engine.stats["requests"] == 0:  # the long request is decoding
+            await asyncio.sleep(0.001)
+        return await ask("short", PROMPTS[0], 5), await long
+
+    short, long = asyncio.run(run())
+    assert finished == ["short", "long"]  # the short one did not wait for the long one's 300 tokens
+    assert engine.stats["joined_requests"] == 1 and engine.stats["batches"] == 2
+    solo = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0)
+    for got, want in zip((short, long), solo.generate_batch([PROMPTS[0], PROMPTS[1]], [greedy(5), greedy(300)])):
+        assert got.token_ids == want.token_ids  # joining a batch of another width changes nothing
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_decode_reaches_its_caller_and_the_engine_keeps_serving(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+
+    async def run():
+        with pytest.raises(IndexError):
+            await engine.generate([1, 10**6], greedy(3))  # an id outside the vocabulary
+        return await engine.generate(PROMPTS[0], greedy(3))
+
+    assert len(asyncio.run(run()).token_ids) == 3

@@ -34,7 +34,7 @@ def train_command(tiny_model_dir: Path, out: Path, *overrides: str) -> list[str]
     return [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
             "model.dtype=float32", f"output_dir={out}", "reward.function=scale_rewards:length_parity",
             "rollout.group_size=4", "rollout.max_turns=1", "rollout.max_new_tokens_per_turn=8",
-            "trainer.tasks_per_step=2", "trainer.lr=1e-3", "trainer.bf16_autocast=false", *overrides]
+            "trainer.tasks_per_step=2", "trainer.lr=1e-3", "trainer.dtype=float32", "model.dtype=float32", *overrides]
 
 
 @pytest.fixture

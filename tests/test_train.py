@@ -181,7 +181,7 @@ def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
         [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
          "model.dtype=float32", f"output_dir={out}", "reward.function=e2e_rewards:length_parity",
          "rollout.group_size=4", "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=8", "trainer.steps=2",
-         "trainer.tasks_per_step=2", "trainer.lr=1e-3", "trainer.bf16_autocast=false", "algorithm.kl_coef=0.01",
+         "trainer.tasks_per_step=2", "trainer.lr=1e-3", "trainer.dtype=float32", "algorithm.kl_coef=0.01",
          "trainer.save_every=1"],
         capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -253,9 +253,10 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_recip
         rollout: {group_size: 4, max_turns: 1, max_new_tokens_per_turn: 6}
         trainer: {steps: 3, tasks_per_step: 2, lr: 1.0e-3, warmup_steps: 4, save_every: 1, keep_checkpoints: 1}
     """)
-    whole = train(load_recipe(recipe, [f"output_dir={tmp_path / 'whole'}"]))
-    train(load_recipe(recipe, [f"output_dir={tmp_path / 'split'}", "trainer.steps=1"]))
-    resumed = train(load_recipe(recipe, [f"output_dir={tmp_path / 'split'}", "trainer.resume=auto"]))
+    exact = ["model.dtype=float32", "trainer.dtype=float32"]  # the logprob check below needs float32 on both sides
+    whole = train(load_recipe(recipe, exact + [f"output_dir={tmp_path / 'whole'}"]))
+    train(load_recipe(recipe, exact + [f"output_dir={tmp_path / 'split'}", "trainer.steps=1"]))
+    resumed = train(load_recipe(recipe, exact + [f"output_dir={tmp_path / 'split'}", "trainer.resume=auto"]))
     assert f"resumed from {tmp_path / 'split' / 'checkpoints' / 'step_1'} after step 1" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and resumed[1:] == rows[1:]
@@ -333,7 +334,7 @@ def test_a_step_with_too_many_failed_episodes_stops_the_run_with_the_cause(tmp_p
         [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
          "model.dtype=float32", f"output_dir={tmp_path / 'run'}", "reward.function=raising_rewards:always_broken",
          "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens_per_turn=4", "trainer.steps=2",
-         "trainer.tasks_per_step=2", "trainer.bf16_autocast=false"],
+         "trainer.tasks_per_step=2", "trainer.dtype=float32"],
         capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
@@ -437,7 +438,7 @@ def test_train_with_lora_through_the_cli(tmp_path, tiny_recipe):
         rollout: {group_size: 4, max_turns: 1, max_new_tokens_per_turn: 6}
         trainer: {steps: 2, tasks_per_step: 2, lr: 1.0e-2, save_every: 2}
     """)
-    history = train(load_recipe(recipe, ["model.lora.rank=16"]))
+    history = train(load_recipe(recipe, ["model.lora.rank=16", "model.dtype=float32", "trainer.dtype=float32"]))
     # Step 2 sampled from merged adapters synced after step 1: the engine agrees with the trainer.
     assert history[1]["rollout_logprob_diff"] < 1e-4 and history[1]["grad_norm"] > 0
     run = tmp_path / "run"

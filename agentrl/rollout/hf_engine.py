@@ -1,28 +1,36 @@
 """The transformers engine: batches the generate calls of many concurrent episodes.
 
-Episodes call `await engine.generate(ids, sampling)` independently; a single server task gathers the
-requests waiting at that moment (same sampling settings), runs one left-padded, KV-cached decode for
-all of them in a worker thread, and resolves each caller with its own tokens. While a batch decodes,
-the event loop keeps running tools, and requests that arrive meanwhile form the next batch.
+Episodes call `await engine.generate(ids, sampling)` independently; a worker thread gathers the
+requests waiting at that moment (same sampling settings) and decodes them together, left-padded and
+KV-cached. The batch keeps running: a row that stops leaves it at once and its caller gets its
+tokens, and requests with the same settings that arrive meanwhile (episodes back from their tools)
+join it at the next step (running_batch.py), so no episode waits for the slowest row of a batch.
+The event loop keeps running tools throughout.
 
-The decode loop is written here instead of calling `model.generate` because the loop needs per-row
-stop tokens and token budgets, and the sampled tokens' logprobs without keeping every step's full
-vocabulary logits (`output_logits` would hold steps × batch × vocab floats). transformers'
-continuous batching was measured slower than padded decoding on CPU (FACTS.md). This engine keeps no
-KV cache between calls, so a weight update has nothing to flush.
+The decode loop is written here instead of calling `model.generate` because it needs per-row stop
+tokens and token budgets, rows joining and leaving mid-decode, and the sampled tokens' logprobs
+without keeping every step's full vocabulary logits (`output_logits` would hold steps × batch ×
+vocab floats). transformers' own continuous batching (paged attention) was measured slower than
+padded decoding on CPU (FACTS.md), so the running batch stays padded. Between calls the engine keeps
+each request's keys and values in a prefix cache (kv_cache.py), so an episode's next turn prefills
+only its new tokens; a weight update with `flush_cache` drops that cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
-from transformers import DynamicCache
 
+from agentrl.rollout.kv_cache import PrefixKVCache, batched_prefill, supports_prefix_reuse
+from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.types import Completion, SamplingParams
+
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 
 @dataclass
@@ -30,6 +38,15 @@ class _Request:
     token_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+
+
+def _resolve(future: asyncio.Future, result: Completion | Exception) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
@@ -58,7 +75,7 @@ class HFEngine:
     """A transformers causal LM behind the Engine protocol."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch_size: int = 32,
-                 batch_wait_s: float = 0.002, seed: int = 0):
+                 batch_wait_s: float = 0.002, seed: int = 0, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
@@ -66,9 +83,14 @@ class HFEngine:
         self.batch_wait_s = batch_wait_s  # how long a new batch waits for episodes about to ask
         self.weight_version = 0
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0}
+        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
+                      "joined_requests": 0, "kv_cache_bytes": 0, "kv_cache_evictions": 0}
+        # 0 bytes (or a model with sliding-window or linear-attention layers) turns prefix reuse off.
+        self.prefix_cache = PrefixKVCache(kv_cache_bytes if supports_prefix_reuse(model.config) else 0)
         self._pending: list[_Request] = []
-        self._server: asyncio.Task | None = None
+        self._pending_lock = threading.Lock()  # the event loop adds requests, the decode thread takes them
+        self._serving = False  # a decode thread is running (guarded by _pending_lock)
+        self._server: asyncio.Future | None = None
         self._lock = threading.Lock()  # decoding and weight updates never overlap
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
@@ -76,82 +98,134 @@ class HFEngine:
             raise ValueError("generate needs at least one prompt token")
         loop = asyncio.get_running_loop()
         request = _Request(list(token_ids), sampling, loop.create_future())
-        self._pending.append(request)
-        if self._server is None or self._server.done():
-            self._server = loop.create_task(self._serve())
+        with self._pending_lock:
+            self._pending.append(request)
+            start, self._serving = not self._serving, True
+        if start:
+            self._server = asyncio.ensure_future(asyncio.to_thread(self._serve))
         return await request.future
 
-    async def _serve(self) -> None:
-        while self._pending:
-            await asyncio.sleep(self.batch_wait_s)
-            batch = self._take_batch()
-            try:
-                results = await asyncio.to_thread(
-                    self.generate_batch, [r.token_ids for r in batch], [r.sampling for r in batch])
-            except Exception as e:  # the callers decide what a failed generation means
-                results = [e] * len(batch)
-            for request, result in zip(batch, results):
-                if request.future.done():  # the caller was cancelled
-                    continue
-                if isinstance(result, Exception):
-                    request.future.set_exception(result)
-                else:
-                    request.future.set_result(result)
+    def _serve(self) -> None:
+        """The decode thread: one running batch after another until no request waits."""
+        try:
+            while self._serve_one():
+                pass
+        finally:  # also when something unforeseen broke: the next request starts a new thread
+            with self._pending_lock:
+                self._serving = False
 
-    def _take_batch(self) -> list[_Request]:
-        key = self._pending[0].sampling.batch_key()
-        batch = [r for r in self._pending if r.sampling.batch_key() == key][: self.max_batch_size]
-        taken = {id(r) for r in batch}
-        self._pending = [r for r in self._pending if id(r) not in taken]
-        return batch
+    def _serve_one(self) -> bool:
+        """One running batch, from the oldest waiting request's settings; False when none waits."""
+        time.sleep(self.batch_wait_s)  # episodes about to ask join the first step
+        with self._pending_lock:
+            if not self._pending:
+                return False
+            key = self._pending[0].sampling.batch_key()
+        rows: list[Row] = []
+        settled: set[int] = set()
+
+        def admit(room: int) -> list[Row]:
+            new = [Row(r.token_ids, r.sampling, owner=r) for r in self._take(key, room)]
+            rows.extend(new)
+            return new
+
+        def settle(row: Row, result: Completion | Exception) -> None:
+            settled.add(id(row))
+            future = row.owner.future
+            future.get_loop().call_soon_threadsafe(_resolve, future, result)
+
+        try:
+            with self._lock, torch.no_grad():
+                self._decode(admit(self.max_batch_size), lambda row: settle(row, self._completion(row)), admit)
+        except Exception as e:  # the callers decide what a failed generation means
+            for row in rows:
+                if id(row) not in settled:
+                    settle(row, e)
+        return True
+
+    def _take(self, key: tuple, room: int) -> list[_Request]:
+        """Up to `room` waiting requests with sampling settings `key`, oldest first."""
+        with self._pending_lock:
+            taken = [r for r in self._pending if r.sampling.batch_key() == key][:room]
+            ids = {id(r) for r in taken}
+            self._pending = [r for r in self._pending if id(r) not in ids]
+        return taken
+
+    def _completion(self, row: Row) -> Completion:
+        return Completion(row.ids, row.logprobs, row.finish, self.weight_version)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def generate_batch(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
         """Synchronous batched sampling; every request must share `sampling[0].batch_key()`."""
-        with self._lock:
-            return self._decode(prompts, sampling)
+        results: list[Completion | None] = [None] * len(prompts)
 
-    def _decode(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        ids_BT = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        mask_BT = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding keeps every row's last token aligned
-            ids_BT[row, width - len(prompt):] = torch.tensor(prompt)
-            mask_BT[row, width - len(prompt):] = 1
-        ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
-        positions_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
-        temperature, top_p = sampling[0].temperature, sampling[0].top_p
-        stops = [set(s.stop_token_ids) for s in sampling]
-        budgets = [s.max_new_tokens for s in sampling]
-        new_ids: list[list[int]] = [[] for _ in prompts]
-        new_logprobs: list[list[float]] = [[] for _ in prompts]
-        finish = ["length"] * batch
-        done = [b <= 0 for b in budgets]
-        out = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=positions_BT,
-                         past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
-        next_pos_B = positions_BT[:, -1] + 1
-        while not all(done):
-            tok_B, logp_B = sample_tokens(out.logits[:, -1, :], temperature, top_p, self.generator)
-            for row, (tok, logp) in enumerate(zip(tok_B.tolist(), logp_B.tolist())):
-                if done[row]:
-                    continue
-                new_ids[row].append(tok)
-                new_logprobs[row].append(logp)
-                if tok in stops[row]:
-                    done[row], finish[row] = True, "stop"
-                elif len(new_ids[row]) >= budgets[row]:
-                    done[row] = True
-            if all(done):
-                break
-            mask_BT = torch.cat([mask_BT, mask_BT.new_ones((batch, 1))], dim=1)
-            out = self.model(input_ids=tok_B[:, None], attention_mask=mask_BT, position_ids=next_pos_B[:, None],
-                             past_key_values=out.past_key_values, use_cache=True)
-            next_pos_B = next_pos_B + 1
+        def done(row: Row) -> None:
+            results[row.owner] = self._completion(row)
+
+        with self._lock:
+            self._decode([Row(p, s, owner=i) for i, (p, s) in enumerate(zip(prompts, sampling))], done)
+        return results  # type: ignore[return-value]
+
+    def _decode(self, rows: list[Row], done: Callable[[Row], None],
+                admit: Callable[[int], list[Row]] | None = None) -> None:
+        """Decode `rows`, and those `admit` hands over while they run, until every one stopped."""
+        batch, incoming = RunningBatch(), rows
+        while incoming or len(batch):
+            if incoming:
+                self._prefill(batch, incoming)
+            self._retire(batch, done)
+            if len(batch):
+                self._step(batch)
+            room = self.max_batch_size - len(batch)
+            incoming = admit(room) if admit and room > 0 else []
+            if len(batch):
+                self.stats["joined_requests"] += len(incoming)
+
+    def _prefill(self, batch: RunningBatch, rows: list[Row]) -> None:
+        """New rows' uncached tokens in one forward pass, their first token sampled, then they join."""
+        for row in rows:
+            row.hit = self.prefix_cache.lookup(row.prompt)
+        prefill = batched_prefill([r.prompt for r in rows], [r.hit for r in rows], self.pad_token_id, self.device,
+                                  self.model.config)
+        out = self.model(input_ids=prefill.ids_BN, attention_mask=prefill.mask_BT, position_ids=prefill.positions_BN,
+                         past_key_values=prefill.past, use_cache=True, logits_to_keep=1)
+        tokens_B = self._sample(rows, out.logits[:, -1, :])
+        batch.join(rows, out.past_key_values, prefill.mask_BT, prefill.positions_BN[:, -1] + 1, tokens_B)
         self.stats["batches"] += 1
-        self.stats["requests"] += batch
-        self.stats["generated_tokens"] += sum(len(t) for t in new_ids)
-        return [Completion(ids, lps, fin, self.weight_version)  # type: ignore[arg-type]
-                for ids, lps, fin in zip(new_ids, new_logprobs, finish)]
+        self.stats["requests"] += len(rows)
+        self.stats["prefill_tokens"] += sum(prefill.new)
+        self.stats["cached_tokens"] += sum(prefill.cached)
+
+    def _step(self, batch: RunningBatch) -> None:
+        """One token for every running row."""
+        out = self.model(**batch.step_inputs())
+        batch.tokens_B = self._sample(batch.rows, out.logits[:, -1, :])
+
+    def _sample(self, rows: list[Row], logits_BV: torch.Tensor) -> torch.Tensor:
+        sampling = rows[0].sampling
+        tokens_B, logp_B = sample_tokens(logits_BV, sampling.temperature, sampling.top_p, self.generator)
+        for row, token, logp in zip(rows, tokens_B.tolist(), logp_B.tolist()):
+            if row.sampling.max_new_tokens <= 0:
+                row.done = True
+            elif not row.done:
+                row.take(token, logp)
+        return tokens_B
+
+    def _retire(self, batch: RunningBatch, done: Callable[[Row], None]) -> None:
+        """Rows that stopped leave the batch: their keys and values go to the prefix cache, their
+        result to the caller."""
+        finished = [i for i, row in enumerate(batch.rows) if row.done]
+        for i in finished:
+            row = batch.rows[i]
+            if self.prefix_cache.budget_bytes > 0:
+                self.prefix_cache.store(row.fed_ids(), batch.row_kv(i),
+                                        replaces=row.hit.key if row.hit.covers_entry else None)
+            self.stats["generated_tokens"] += len(row.ids)
+            done(row)
+        if finished:
+            batch.keep([i for i, row in enumerate(batch.rows) if not row.done])
+            self.stats["kv_cache_bytes"] = self.prefix_cache.bytes
+            self.stats["kv_cache_evictions"] = self.prefix_cache.evictions
 
     @torch.no_grad()
     def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
@@ -168,8 +242,12 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush_cache: bool = True) -> None:
-        """Copy tensors into the model in place (names as in `state_dict()`)."""
+        """Copy tensors into the model in place (names as in `state_dict()`). `flush_cache` drops the
+        prefix cache, whose keys and values the old weights computed; without it they are reused."""
         with self._lock:
+            if flush_cache:
+                self.prefix_cache.clear()
+                self.stats["kv_cache_bytes"] = 0
             targets = self.model.state_dict()  # shares storage with the live parameters
             for name, tensor in named_tensors:
                 if name not in targets:

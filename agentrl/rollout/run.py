@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl.config import RecipeConfig, to_yaml
 from agentrl.errors import ConfigError
+from agentrl.hardware import choose_dtype
 from agentrl.data import arithmetic_tasks, dataset_tasks
 from agentrl.env.interaction import load_interaction
 from agentrl.env.rewards import load_reward_fn
@@ -79,9 +80,10 @@ def load_policy(config: RecipeConfig, engine: HFEngine | None = None,
     one is given)."""
     tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=needs_tools)
     if engine is None:
-        model = load_model(config.model.path, config.model.dtype).to(config.engine.device)
+        dtype = choose_dtype(config.model.dtype, config.engine.device).dtype
+        model = load_model(config.model.path, dtype).to(config.engine.device)
         engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=config.engine.max_batch_size,
-                          seed=config.engine.seed)
+                          seed=config.engine.seed, kv_cache_bytes=config.engine.kv_cache_bytes)
     return tokenizer, engine
 
 

@@ -17,6 +17,7 @@ import torch
 
 from agentrl.config import RecipeConfig
 from agentrl.models import enable_activation_checkpointing, load_model
+from agentrl.hardware import choose_dtype
 from agentrl.rollout.worker import LocalSink, RolloutWorker
 from agentrl.trainer.checkpoint import TRAINER_STATE, commit_checkpoint, staging_checkpoint
 from agentrl.trainer.critic import CriticWorker, ValueModel
@@ -28,7 +29,7 @@ from agentrl.types import Task, Trajectory
 
 def _compute(config: RecipeConfig, ranks: Ranks) -> dict[str, Any]:
     """bf16 settings: FSDP's mixed-precision policy when sharded, autocast otherwise."""
-    bf16 = config.trainer.bf16_autocast
+    bf16 = choose_dtype(config.trainer.dtype, config.trainer.device).dtype == "bfloat16"
     return {"param_dtype": torch.bfloat16 if bf16 and ranks.distributed else None,
             "bf16_autocast": bf16 and not ranks.distributed}
 

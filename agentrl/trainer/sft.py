@@ -79,6 +79,7 @@ def run_sft(config) -> str:
 
     from agentrl.config import to_yaml
     from agentrl.data import arithmetic_demonstrations, conversation_file
+    from agentrl.hardware import choose_dtype
     from agentrl.models import load_model, load_tokenizer
     from agentrl.trainer.checkpoint import save_model
     from agentrl.tools.loader import load_tool_files
@@ -98,8 +99,9 @@ def run_sft(config) -> str:
 
         model = add_lora(model, config.model.lora, s.base_model)
     started = time.perf_counter()
-    losses = sft_train(model, samples, tokenizer.pad_token_id, s.steps, s.batch_size, s.lr, s.seed,
-                       s.bf16_autocast, on_step=lambda step, loss: print(f"sft step {step}/{s.steps} loss {loss:.4f}"))
+    bf16 = choose_dtype(s.dtype, next(model.parameters()).device).dtype == "bfloat16"
+    losses = sft_train(model, samples, tokenizer.pad_token_id, s.steps, s.batch_size, s.lr, s.seed, bf16,
+                       on_step=lambda step, loss: print(f"sft step {step}/{s.steps} loss {loss:.4f}"))
     save_model(model, tokenizer, s.output)
     if losses:
         print(f"sft: {len(samples)} conversations, {s.steps} steps in {time.perf_counter() - started:.0f} s, "

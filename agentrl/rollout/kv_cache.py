@@ -1,0 +1,159 @@
+"""The transformers engine's prefix KV cache: an episode's keys and values kept between its turns.
+
+Every request leaves an entry when it stops: the token ids the model has seen (prompt plus every
+sampled token but the last, which was never fed back) and their per-layer keys and values (copies,
+accounted by tensor bytes). A later request reuses the entry sharing the longest common prefix with
+its ids, so the next turn of an episode prefills only the tool or user output and the generation
+prompt, and episodes of a group share their prompt; an entry the new one extends is dropped.
+Entries are evicted least recently used first once their bytes pass the budget; a miss simply
+prefills everything again. A weight update drops every entry.
+
+Rows prefilled together have different cached lengths. `batched_prefill` left-pads the cached keys
+and values to the longest cached length C and the new tokens to the longest new length N, so a row
+reads `[pad | cached | pad | new]`; the attention mask hides both gaps and the position ids count
+only real tokens, which is what the row would see alone (keys carry their rotary positions from
+when they were computed).
+
+Why not transformers' own: its caches hold one batch for one `generate` call, with no notion of
+entries that outlive it. This module is not a radix tree (siblings store their shared prompt once
+each) and not paged memory; it supports models whose every layer is a plain `DynamicLayer`
+(no sliding windows, no linear attention) and turns itself off for others.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys_HTD, values_HTD)
+
+
+@dataclass
+class CacheEntry:
+    ids_T: torch.Tensor  # int64, on the CPU: the tokens whose keys and values are held
+    layers: KV
+    nbytes: int
+
+
+@dataclass
+class Hit:
+    """What a request reuses: `length` leading tokens of `entry` (0: nothing)."""
+
+    entry: CacheEntry | None = None
+    key: int = -1
+    length: int = 0
+    covers_entry: bool = False  # the entry is a prefix of the request: its successor replaces it
+
+
+def supports_prefix_reuse(config) -> bool:
+    """Whether every cache layer this model builds is a plain DynamicLayer."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+
+
+class PrefixKVCache:
+    """Entries keyed by token-id sequence, least recently used evicted first beyond `budget_bytes`."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.bytes = 0
+        self.evictions = 0
+        self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
+        self._next_key = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def lookup(self, ids: list[int]) -> Hit:
+        """The entry with the longest common prefix; at most len(ids) - 1 tokens are reused, since
+        the last one must be fed to get the next token's logits."""
+        if not self._entries or len(ids) < 2:
+            return Hit()
+        ids_T = torch.tensor(ids)
+        best = Hit()
+        for key, entry in self._entries.items():
+            n = min(len(entry.ids_T), len(ids))
+            if n <= best.length or entry.ids_T[0] != ids_T[0]:
+                continue
+            differ = (entry.ids_T[:n] != ids_T[:n]).nonzero()
+            common = n if len(differ) == 0 else int(differ[0])
+            if common > best.length:
+                best = Hit(entry, key, common, covers_entry=common == len(entry.ids_T))
+        if best.entry is None:
+            return Hit()
+        self._entries.move_to_end(best.key)
+        best.length = min(best.length, len(ids) - 1)
+        return best
+
+    def store(self, ids: list[int], layers: KV, replaces: int | None = None) -> None:
+        """Add an entry (dropping `replaces`, an entry it extends), then evict down to the budget.
+        An entry larger than the whole budget is not kept."""
+        nbytes = sum(t.numel() * t.element_size() for kv in layers for t in kv) + 8 * len(ids)
+        if nbytes > self.budget_bytes:
+            return
+        if replaces is not None and replaces in self._entries:
+            self.bytes -= self._entries.pop(replaces).nbytes
+        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), layers, nbytes)
+        self._next_key += 1
+        self.bytes += nbytes
+        while self.bytes > self.budget_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= evicted.nbytes
+            self.evictions += 1
+
+
+@dataclass
+class Prefill:
+    """The first forward pass of a batch: new tokens, mask and positions, and the cached past."""
+
+    ids_BN: torch.Tensor
+    mask_BT: torch.Tensor  # T = C + N: cached columns then new-token columns
+    positions_BN: torch.Tensor
+    past: DynamicCache
+    cached: list[int]  # cached tokens per row
+    new: list[int]  # new tokens per row
+
+
+def batched_prefill(prompts: list[list[int]], hits: list[Hit], pad_id: int, device: torch.device,
+                    config) -> Prefill:
+    """Rows with different cached lengths in one batch (module docstring: the layout)."""
+    batch = len(prompts)
+    cached = [h.length for h in hits]
+    new = [len(p) - c for p, c in zip(prompts, cached)]
+    width_c, width_n = max(cached), max(new)
+    ids_BN = torch.full((batch, width_n), pad_id, dtype=torch.long)
+    mask_BT = torch.zeros((batch, width_c + width_n), dtype=torch.long)
+    for row, (prompt, c, n) in enumerate(zip(prompts, cached, new)):
+        ids_BN[row, width_n - n:] = torch.tensor(prompt[c:])
+        mask_BT[row, width_c - c:width_c] = 1
+        mask_BT[row, width_c + width_n - n:] = 1
+    mask_BT = mask_BT.to(device)
+    positions_BN = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
+    past = DynamicCache(config=config)
+    if width_c:
+        past = DynamicCache(_padded_past(hits, width_c), config=config)
+    return Prefill(ids_BN.to(device), mask_BT, positions_BN, past, cached, new)
+
+
+def _padded_past(hits: list[Hit], width_c: int) -> KV:
+    """Each row's cached keys and values right-aligned in `width_c` columns (zeros where masked)."""
+    template = next(h.entry for h in hits if h.length)
+    out: KV = []
+    for layer, (keys_HTD, values_HTD) in enumerate(template.layers):
+        heads, _, dim = keys_HTD.shape
+        keys_BHCD = keys_HTD.new_zeros((len(hits), heads, width_c, dim))
+        values_BHCD = values_HTD.new_zeros((len(hits), values_HTD.shape[0], width_c, values_HTD.shape[2]))
+        for row, hit in enumerate(hits):
+            if hit.length:
+                k_HTD, v_HTD = hit.entry.layers[layer]
+                keys_BHCD[row, :, width_c - hit.length:] = k_HTD[:, :hit.length]
+                values_BHCD[row, :, width_c - hit.length:] = v_HTD[:, :hit.length]
+        out.append((keys_BHCD, values_BHCD))
+    return out

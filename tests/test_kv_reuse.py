@@ -1,0 +1,209 @@
+"""KV reuse across turns in the transformers engine: same tokens as without it, fewer prefilled.
+
+Every comparison runs the same model twice, once with the prefix cache and once with it off
+(`kv_cache_bytes=0`), greedy in float32: token ids must be equal and logprobs equal to 1e-5 (a key
+at a wrong position or a wrongly masked column would move them far more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import MistralConfig
+
+from agentrl.data import arithmetic_tasks
+from agentrl.env.interaction import Turn
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.collect import collect
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.rollout.hf_engine import HFEngine
+from agentrl.rollout.kv_cache import PrefixKVCache, supports_prefix_reuse
+from agentrl.tools.builtin.calculator import calculator
+from agentrl.tools.parsers import parse_hermes
+from agentrl.trainer.sft import conversation_sample, sft_train
+from agentrl.types import SamplingParams
+from tests.conftest import make_tiny_llama
+
+QUESTIONS = ["What is 12 * 34?", "A farmer has 3 rows of 17 trees. How many trees?", "Add 5 and 9.",
+             "What is 2 to the power of 10, minus 1000?"]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+def tool_turns(engine: HFEngine, tokenizer, questions: list[str], turns: int = 3,
+               new_tokens: int = 12) -> list[list[int]]:
+    """`turns` assistant turns per question, all questions batched together. A random model does not
+    write tool calls, so after each sampled turn the test closes it with <|im_end|> and appends the
+    template's tool turn holding the real calculator's output, as the episode loop would."""
+    renderer = ChatRenderer(tokenizer, [calculator])
+    histories = [[{"role": "user", "content": q}] for q in questions]
+    ids = [renderer.prompt_ids(h) for h in histories]
+    for turn in range(turns):
+        completions = engine.generate_batch(ids, [greedy(new_tokens)] * len(ids))
+        for row, completion in enumerate(completions):
+            ids[row] = ids[row] + completion.token_ids + [tokenizer.eos_token_id]
+            histories[row].append({"role": "assistant", "content": renderer.decode(completion.token_ids)})
+            if turn < turns - 1:
+                tool = {"role": "tool", "name": "calculator", "content": calculator(f"{row + 2} * {turn + 7}")}
+                suffix, _ = renderer.suffix_ids(ids[row], histories[row], [tool])
+                histories[row].append(tool)
+                ids[row] = ids[row] + suffix
+    return ids
+
+
+def test_three_tool_turns_match_no_reuse_with_mixed_cached_lengths(tiny_model, tokenizer):
+    reuse, plain = HFEngine(tiny_model, pad_token_id=2), HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0)
+    # Questions of different lengths: every batch after the first mixes rows with different cached lengths.
+    assert tool_turns(reuse, tokenizer, QUESTIONS) == tool_turns(plain, tokenizer, QUESTIONS)
+    assert plain.stats["cached_tokens"] == 0 and reuse.stats["cached_tokens"] > 0
+    assert reuse.stats["prefill_tokens"] + reuse.stats["cached_tokens"] == plain.stats["prefill_tokens"]
+    assert len(reuse.prefix_cache) == len(QUESTIONS)  # each turn's entry replaced the one it extended
+
+
+def test_a_batch_of_misses_partial_and_full_hits_matches_no_reuse(tiny_model):
+    reuse, plain = HFEngine(tiny_model, pad_token_id=2), HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0)
+    first = [1, 504, 3459, 30, 2, 9690, 28, 30, 253]
+    done = reuse.generate_batch([first], [greedy(8)])[0].token_ids
+    extended = first + done + [11, 12]  # the next turn: the cached entry is a prefix
+    sibling = first[:5] + [77, 78]  # shares only five tokens with it
+    repeat = first + done[:-1]  # exactly the cached entry: all but its last token are reused
+    fresh = [7, 33, 44]  # nothing in common
+    prompts = [extended, sibling, repeat, fresh]
+    before = dict(reuse.stats)
+    got = reuse.generate_batch(prompts, [greedy(10)] * 4)
+    want = plain.generate_batch(prompts, [greedy(10)] * 4)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+    cached = len(first) + len(done) - 1
+    assert reuse.stats["cached_tokens"] - before["cached_tokens"] == cached + 5 + (len(repeat) - 1) + 0
+    assert reuse.stats["prefill_tokens"] - before["prefill_tokens"] == 3 + 2 + 1 + 3
+
+
+class GoOn:
+    """A user who says 'Go on.' after each of the first two assistant turns and then ends."""
+
+    async def start(self, task) -> None:
+        self.replies = 0
+
+    async def respond(self, messages) -> Turn:
+        self.replies += 1
+        return Turn("Go on.", done=self.replies >= 3)
+
+    async def finish(self) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def stopping_model(tokenizer):
+    """A tiny random model never samples <|im_end|>, so its turns would all end by length and an
+    episode would stop after one turn. 30 SFT steps on two short conversations (about 1 s) teach it
+    to answer 'Done.' and end its turn, which is all the episode loop needs to continue."""
+    renderer = ChatRenderer(tokenizer, [])
+    conversations = [[{"role": "user", "content": q}, {"role": "assistant", "content": "Done."},
+                      {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "Done."}]
+                     for q in ("What is 12 * 34?", "How many apples are left?")]
+    model = make_tiny_llama()
+    sft_train(model, [conversation_sample(renderer, c) for c in conversations], tokenizer.pad_token_id,
+              steps=30, batch_size=2, lr=1e-2)
+    return model
+
+
+def run_episodes(model, tokenizer, tasks, group: int, **engine_kwargs):
+    engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, **engine_kwargs)
+    settings = EpisodeSettings(max_turns=3, max_new_tokens_per_turn=24, temperature=0.0,
+                               system_prompt="Use the calculator.")
+    runner = EpisodeRunner(engine, tokenizer, [calculator], parse_hermes, settings, interaction_factory=GoOn)
+    return asyncio.run(collect(runner, tasks, group, max_concurrent=8)), engine
+
+
+def request_lengths(loss_mask: list[int]) -> list[int]:
+    """The length of the ids each generate call got: where every sampled run starts."""
+    return [i for i, m in enumerate(loss_mask) if m and not loss_mask[i - 1]]
+
+
+def test_episode_turns_prefill_only_new_tokens(stopping_model, tokenizer):
+    [traj], engine = run_episodes(stopping_model, tokenizer, arithmetic_tasks(1, seed=0), group=1)
+    assert traj.finish == "stop" and traj.metrics["turns"] == 3
+    starts = request_lengths(traj.loss_mask)
+    mask = traj.loss_mask + [0]
+    ends = [i for i, m in enumerate(traj.loss_mask) if m and not mask[i + 1]]  # each turn's last sample
+    reused = ends[:-1]  # turn t + 1 reuses what turn t fed the model: its ids and all its samples but the last
+    assert engine.stats["cached_tokens"] == sum(reused)
+    assert engine.stats["prefill_tokens"] == starts[0] + sum(s - r for s, r in zip(starts[1:], reused))
+    suffix = tokenizer("\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert engine.stats["prefill_tokens"] == starts[0] + 2 * (1 + len(suffix["input_ids"]))
+
+
+def test_concurrent_episodes_match_no_reuse(stopping_model, tokenizer):
+    tasks = arithmetic_tasks(2, seed=3)
+    with_reuse, engine = run_episodes(stopping_model, tokenizer, tasks, group=2)
+    without, plain = run_episodes(stopping_model, tokenizer, tasks, group=2, kv_cache_bytes=0)
+    assert [t.metrics["turns"] for t in with_reuse] == [3.0] * 4
+    assert [t.token_ids for t in with_reuse] == [t.token_ids for t in without]
+    for a, b in zip(with_reuse, without):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+    requested = sum(sum(request_lengths(t.loss_mask)) for t in with_reuse)
+    assert engine.stats["prefill_tokens"] + engine.stats["cached_tokens"] == requested == plain.stats["prefill_tokens"]
+    assert engine.stats["prefill_tokens"] < requested / 2
+
+
+def test_lru_eviction_under_a_tiny_budget_recomputes_the_same_output(tiny_model, tokenizer):
+    probe = HFEngine(tiny_model, pad_token_id=2)
+    tool_turns(probe, tokenizer, QUESTIONS[:1], turns=1)
+    one_entry = probe.prefix_cache.bytes
+    small = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=int(2.5 * one_entry))
+    full = HFEngine(tiny_model, pad_token_id=2)
+    assert tool_turns(small, tokenizer, QUESTIONS) == tool_turns(full, tokenizer, QUESTIONS)
+    assert small.stats["kv_cache_evictions"] > 0 and full.stats["kv_cache_evictions"] == 0
+    assert 0 < small.prefix_cache.bytes <= small.prefix_cache.budget_bytes
+    assert small.stats["prefill_tokens"] > full.stats["prefill_tokens"]  # misses were recomputed
+
+
+def test_weight_update_drops_the_cache(tiny_model, tokenizer):
+    renderer = ChatRenderer(tokenizer, [calculator])
+    prompt = renderer.prompt_ids([{"role": "user", "content": QUESTIONS[0]}])
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    first = engine.generate_batch([prompt], [greedy(8)])[0].token_ids
+    following = prompt + first + [2, 198, 1, 4093, 198]
+    new_weights = make_tiny_llama(seed=1)
+    engine.update_weights(new_weights.state_dict().items(), version=1)
+    assert len(engine.prefix_cache) == 0 and engine.stats["kv_cache_bytes"] == 0
+    cached_before = engine.stats["cached_tokens"]
+    after = engine.generate_batch([following], [greedy(8)])[0]
+    assert engine.stats["cached_tokens"] == cached_before  # nothing from the old weights was reused
+    fresh = HFEngine(new_weights, pad_token_id=2, kv_cache_bytes=0).generate_batch([following], [greedy(8)])[0]
+    assert after.token_ids == fresh.token_ids and after.weight_version == 1
+    torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=1e-5)
+    # Without the flush the old keys and values stay and are reused (SGLang's flush_cache=False too).
+    engine.update_weights(make_tiny_llama(seed=2).state_dict().items(), version=2, flush_cache=False)
+    engine.generate_batch([following + after.token_ids + [2]], [greedy(2)])
+    assert engine.stats["cached_tokens"] == cached_before + len(following) + len(after.token_ids) - 1
+
+
+def test_prefix_cache_bookkeeping():
+    layer = (torch.zeros(2, 4, 8), torch.zeros(2, 4, 8))  # 2 heads, 4 tokens, 8 dims: 256 bytes each
+    cache = PrefixKVCache(budget_bytes=2 * (512 + 32))
+    cache.store([5, 6, 7, 8], [layer])
+    cache.store([5, 6, 9, 9], [layer])
+    assert cache.bytes == 2 * (512 + 32) and len(cache) == 2
+    hit = cache.lookup([5, 6, 7, 8, 1])
+    assert (hit.length, hit.covers_entry) == (4, True)
+    assert cache.lookup([5, 6, 7]).length == 2  # at most all but the last token
+    assert cache.lookup([5, 6, 9, 1]).length == 3 and cache.lookup([4, 6]).entry is None
+    cache.store([1, 2, 3, 4], [layer])  # evicts the least recently used: [5, 6, 7, 8]
+    assert cache.evictions == 1 and cache.lookup([5, 6, 7, 8, 0]).length == 2  # now only [5, 6, 9, 9] matches
+    cache.store(list(range(16)), [(torch.zeros(2, 16, 8), torch.zeros(2, 16, 8))])  # larger than the budget
+    assert len(cache) == 2
+    cache.clear()
+    assert cache.bytes == 0 and cache.lookup([1, 2, 3, 4, 5]).entry is None
+
+
+def test_sliding_window_models_turn_reuse_off():
+    assert supports_prefix_reuse(make_tiny_llama().config)
+    assert not supports_prefix_reuse(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=16))
