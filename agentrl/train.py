@@ -1,6 +1,6 @@
 """The RL driver. One step: collect groups → release engine memory → old and reference logprobs →
-(critic values) → advantages → policy (and critic) update → resume engine memory → weight sync
-(new version, cache flush) → log.
+(critic values) → advantages → policy (and critic) update → resume the engine's weights → weight sync
+(new version, cache flush) → resume its KV cache → log.
 
 Everything a step needs is built once in `train`; the loop body reads top to bottom. Roles are
 plain objects in this process (trainer.backend 'local').
@@ -120,8 +120,9 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
             times["time_update_s"] = time.perf_counter() - clock
 
             clock = time.perf_counter()
-            engine.resume_memory()
+            engine.resume_memory(("weights",))  # the weights first: the KV cache is not needed to load them
             engine.update_weights(policy.named_weights(), version=step, flush_cache=True)
+            engine.resume_memory(("kv_cache",))
             times["time_sync_s"] = time.perf_counter() - clock
 
             record = step_record(step, trajectories, rollout, update, times)

@@ -22,6 +22,7 @@ from typing import Iterable
 import torch
 from transformers import DynamicCache
 
+from agentrl.rollout.memory_saver import TAGS, MemorySaver
 from agentrl.types import Completion, SamplingParams
 
 
@@ -58,8 +59,9 @@ class HFEngine:
     """A transformers causal LM behind the Engine protocol."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch_size: int = 32,
-                 batch_wait_s: float = 0.002, seed: int = 0):
-        self.model = model.eval()
+                 batch_wait_s: float = 0.002, seed: int = 0, memory_saver: MemorySaver | None = None):
+        self.model = model.eval()  # on CUDA, moved there inside memory_saver.region("weights")
+        self.memory_saver = memory_saver or MemorySaver()
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -108,7 +110,7 @@ class HFEngine:
     @torch.no_grad()
     def generate_batch(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
         """Synchronous batched sampling; every request must share `sampling[0].batch_key()`."""
-        with self._lock:
+        with self._lock, self.memory_saver.region("kv_cache"):  # the KV cache and activations
             return self._decode(prompts, sampling)
 
     def _decode(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
@@ -181,7 +183,9 @@ class HFEngine:
             self.weight_version = version
 
     def release_memory(self) -> None:
-        return None
+        for tag in reversed(TAGS):
+            self.memory_saver.pause(tag)
 
-    def resume_memory(self) -> None:
-        return None
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        for tag in TAGS if tags is None else [t for t in TAGS if t in tags]:
+            self.memory_saver.resume(tag)

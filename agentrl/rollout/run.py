@@ -20,8 +20,10 @@ from agentrl.env.rewards import load_reward_fn
 from agentrl.env.tool_env import ToolLimits
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import collect, summarize, write_jsonl
+from agentrl.rollout.engine import Engine
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
+from agentrl.rollout.memory_saver import memory_saver_for
 from agentrl.tools.loader import load_tool_files
 from agentrl.tools.parsers import get_parser
 from agentrl.types import Task
@@ -45,7 +47,21 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
         interaction_scores=config.reward.interaction_scores)
 
 
-def build_runner(config: RecipeConfig, engine: HFEngine | None = None) -> tuple[EpisodeRunner, list[Task]]:
+def build_engine(config: RecipeConfig, pad_token_id: int) -> Engine:
+    """The engine `engine.name` asks for; SGLang is imported only when it is the one."""
+    e = config.engine
+    if e.name == "sglang":
+        from agentrl.rollout.sglang_engine import build_sglang_engine
+
+        return build_sglang_engine(config)
+    saver = memory_saver_for(e.device)  # on CUDA the weights live in a region the engine can release
+    with saver.region("weights"):
+        model = load_model(config.model.path, config.model.dtype).to(e.device)
+    return HFEngine(model, pad_token_id=pad_token_id, max_batch_size=e.max_batch_size, seed=e.seed,
+                    memory_saver=saver)
+
+
+def build_runner(config: RecipeConfig, engine: Engine | None = None) -> tuple[EpisodeRunner, list[Task]]:
     """User files first (cheap, fail fast), then the tokenizer, the model and the engine."""
     tools = load_tool_files(config.rollout.tool_configs)
     interaction = load_interaction(config.rollout.interaction_config) if config.rollout.interaction_config else None
@@ -53,9 +69,7 @@ def build_runner(config: RecipeConfig, engine: HFEngine | None = None) -> tuple[
     tasks = load_tasks(config)
     tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=bool(tools))
     if engine is None:
-        model = load_model(config.model.path, config.model.dtype).to(config.engine.device)
-        engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=config.engine.max_batch_size,
-                          seed=config.engine.seed)
+        engine = build_engine(config, tokenizer.pad_token_id)
     runner = EpisodeRunner(engine, tokenizer, tools, get_parser(config.rollout.parser), episode_settings(config),
                            interaction, reward_fn)
     return runner, tasks
