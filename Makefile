@@ -67,20 +67,21 @@ $(SGLANG_STAMP):
 	cp $(SGLANG_VENV)/src/python/pyproject_cpu.toml $(SGLANG_VENV)/src/python/pyproject.toml
 	cd $(SGLANG_VENV)/src/python && SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0.dev0+g$(SGLANG_COMMIT) \
 		$(SGLANG_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	# agentrl's own dependencies (torch and transformers are already there).
-	$(SGLANG_PY) -m pip install --quiet -e ".[dev]"
 	touch $(SGLANG_STAMP)
 
 sglang-setup: $(SGLANG_STAMP)
 
 # One test file at a time: each starts SGLang's scheduler processes.
-SGLANG_TESTS := $(wildcard tests/sglang/test_*.py)
+SGLANG_TESTS := $(wildcard tests/real_sglang/test_*.py)
 test-sglang: sglang-setup
-	# The environment is shared between checkouts: point agentrl at this one.
-	$(SGLANG_PY) -m pip install --quiet --no-deps -e .
+	# agentrl and its dependencies (torch and transformers are SGLang's); the environment is shared
+	# between checkouts, so it points at this one.
+	$(SGLANG_PY) -m pip install --quiet -e ".[dev]"
 	$(SGLANG_PY) -m agentrl.models smollm2-135m-instruct
+	rm -f runs/test-sglang/figures.json
 	set -e; for t in $(SGLANG_TESTS); do \
 		SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m pytest -q -rs -m sglang $$t; done
+	cat runs/test-sglang/figures.json
 
 clean:
 	rm -rf $(VENV) .venv-trl runs .pytest_cache

@@ -21,11 +21,11 @@ ENGINE_METHODS = ["__init__", "async_generate", "update_weights_from_tensor", "f
                   "release_memory_occupation", "resume_memory_occupation", "shutdown"]
 SERVER_ARGS = ["model_path", "device", "dtype", "random_seed", "tp_size", "mem_fraction_static",
                "skip_tokenizer_init", "enable_memory_saver", "log_level", "max_total_tokens",
-               "attention_backend", "disable_overlap_schedule", "host", "port"]
-ROUTES = ["/generate", "/health_generate", "/update_weights_from_tensor", "/flush_cache",
+               "attention_backend", "disable_overlap_schedule", "base_gpu_id", "host", "port"]
+ROUTES = ["/generate", "/health_generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/flush_cache",
           "/release_memory_occupation", "/resume_memory_occupation"]
-REQUESTS = ["GenerateReqInput", "UpdateWeightsFromTensorReqInput", "ReleaseMemoryOccupationReqInput",
-            "ResumeMemoryOccupationReqInput"]
+REQUESTS = ["GenerateReqInput", "UpdateWeightsFromTensorReqInput", "UpdateWeightFromDiskReqInput",
+            "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"]
 
 
 def read_sources(tarball: str | Path) -> dict[str, ast.Module]:

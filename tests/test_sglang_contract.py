@@ -5,7 +5,7 @@ checked against tests/sglang_api.json, a snapshot of the signatures it needs rea
 source by tests/sglang_api.py; when that source (../shared/sglang-cpu, or $SGLANG_CPU) is present,
 the snapshot is checked against it too. The HTTP engine's requests go to an httpx mock transport
 that records them: the process boundary to an SGLang server is what cannot run here. The real
-engine against real SGLang is `make test-sglang` (tests/sglang/).
+engine against real SGLang is `make test-sglang` (tests/real_sglang/).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from agentrl.rollout.run import build_engine
 from agentrl.rollout.sglang_engine import _SGLANG_REGIONS, ReleasedRegions, sampling_dict, server_args
 from agentrl.rollout.sglang_server import SGLangServerEngine, cli_flags
 from agentrl.types import SamplingParams
+from safetensors.torch import load_file
 from tests.sglang_api import SNAPSHOT, extract
 
 API = json.loads(SNAPSHOT.read_text())
@@ -68,17 +69,18 @@ def test_in_process_engine_calls_exist_with_those_keywords():
     assert API["engine_methods"]["__init__"]["var_kwargs"]  # sglang.Engine(**server_args)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
 def test_server_args_are_sglang_fields_and_flags(device):
     args = server_args("/models/m", device, "bfloat16", 3, SGLangConfig(max_total_tokens=4096, tp_size=2))
+    assert args["device"] == device[:4] and args.get("base_gpu_id") == (1 if device == "cuda:1" else None)
     assert set(args) <= set(API["server_args"]), f"not in the snapshot: {set(args) - set(API['server_args'])}; {REGENERATE}"
-    assert args["enable_memory_saver"] is (device == "cuda") and args["skip_tokenizer_init"] is True
+    assert args["enable_memory_saver"] is (device != "cpu") and args["skip_tokenizer_init"] is True
     assert args["attention_backend"] == "torch_native" if device == "cpu" else "attention_backend" not in args
     for key, value in args.items():  # True becomes a bare flag, which only a bool field takes
         assert isinstance(value, bool) == (API["server_args"][key] == "bool"), key
     flags = cli_flags(args)
     assert flags[:2] == ["--model-path", "/models/m"] and flags[flags.index("--tp-size") + 1] == "2"
-    assert ("--enable-memory-saver" in flags) is (device == "cuda")  # False is left out, True is a bare flag
+    assert ("--enable-memory-saver" in flags) is (device != "cpu")  # False is left out, True is a bare flag
     assert flags[flags.index("--skip-tokenizer-init") + 1].startswith("--")
     named = [f[2:].replace("-", "_") for f in flags if f.startswith("--")]
     assert set(named) <= set(API["server_args"])
@@ -124,6 +126,7 @@ class FakeServer:
     def __init__(self, failures: int = 0):
         self.requests: list[tuple[str, str, dict]] = []
         self.failures = failures  # connection errors before the first answer
+        self.loaded: list[dict[str, dict[str, torch.Tensor]]] = []  # shards of each disk update
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if self.failures:
@@ -131,6 +134,8 @@ class FakeServer:
             raise httpx.ConnectError("connection refused", request=request)
         body = json.loads(request.content) if request.content else {}
         self.requests.append((request.method, request.url.path, body))
+        if request.url.path == "/update_weights_from_disk":  # read now: the next update deletes the files
+            self.loaded.append({f.name: load_file(f) for f in sorted(Path(body["model_path"]).iterdir())})
         if request.url.path != "/generate":
             return httpx.Response(200, json=None)
         if body["sampling_params"]["max_new_tokens"] == 0:  # a score request
@@ -162,7 +167,7 @@ def check_against_api(method: str, path: str, body: dict) -> None:
 async def test_server_engine_requests_are_sglang_requests(fake_server):
     import asyncio
 
-    engine = SGLangServerEngine("http://127.0.0.1:1", {"tp_size": 2}, update_bucket_bytes=48)
+    engine = SGLangServerEngine("http://127.0.0.1:1", {"tp_size": 2}, update_bucket_bytes=48, weight_transfer="tensor")
     completion = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(2,)))
     assert (completion.token_ids, completion.logprobs, completion.finish) == ([7, 2], [-0.25, -0.75], "stop")
     assert engine.stats == {"requests": 1, "generated_tokens": 2, "prompt_tokens": 3, "cached_tokens": 2}
@@ -199,13 +204,34 @@ async def test_server_engine_requests_are_sglang_requests(fake_server):
         assert torch.equal(sent, got)
 
 
+def test_cpu_weights_reach_a_loopback_server_through_safetensors_shards(fake_server):
+    engine = SGLangServerEngine("http://127.0.0.1:1", {}, update_bucket_bytes=40)
+    embed = torch.arange(6.0).reshape(2, 3)
+    weights = [("embed", embed), ("norm", torch.ones(4)), ("lm_head", embed), ("mlp", torch.full((5,), 2.0))]
+    engine.update_weights(iter(weights), version=1, flush_cache=False)
+    first_dir = Path(fake_server.requests[-1][2]["model_path"])
+    engine.update_weights(iter(weights[:1]), version=2)
+    assert [p for _, p, _ in fake_server.requests] == ["/health_generate", "/update_weights_from_disk",
+                                                       "/update_weights_from_disk", "/flush_cache"]
+    for method, path, body in fake_server.requests:
+        check_against_api(method, path, body)
+    assert fake_server.requests[1][2]["flush_cache"] is False
+    # Buckets of at most 40 bytes become shards; the tied lm_head (embed's storage) is written once.
+    assert [{k: v.tolist() for k, v in shard.items()} for shard in fake_server.loaded[0].values()] == [
+        {"embed": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "norm": [1.0] * 4}, {"mlp": [2.0] * 5}]
+    assert list(fake_server.loaded[0]) == ["model-00000.safetensors", "model-00002.safetensors"]
+    assert not first_dir.exists() and engine._weights_dir.is_dir()  # the server's current model path stays
+    engine.close()
+    assert not engine._weights_dir.exists() and engine.weight_version == 2
+
+
 def test_server_engine_retries_then_names_url_route_and_cause(monkeypatch):
     server = FakeServer(failures=2)
     monkeypatch.setattr(sglang_server.httpx, "Client", partial(httpx.Client, transport=httpx.MockTransport(server)))
     monkeypatch.setattr(sglang_server.time, "sleep", lambda s: None)
     engine = SGLangServerEngine("http://127.0.0.1:9/", {})  # the health check only answers on its third try
     engine.update_weights([("w", torch.ones(1))], version=1)  # retried posts reach the server
-    assert [p for _, p, _ in server.requests] == ["/health_generate", "/update_weights_from_tensor", "/flush_cache"]
+    assert [p for _, p, _ in server.requests] == ["/health_generate", "/update_weights_from_disk", "/flush_cache"]
     server.failures = 3
     with pytest.raises(RuntimeError, match=r"^SGLang server at http://127.0.0.1:9: POST /flush_cache failed "
                                            r"\(ConnectError: connection refused\)$"):

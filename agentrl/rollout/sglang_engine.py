@@ -41,12 +41,15 @@ _SGLANG_REGIONS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph
 
 def server_args(model_path: str, device: str, dtype: str, seed: int, s: SGLangConfig) -> dict[str, Any]:
     """sglang ServerArgs fields for an engine (in-process keywords, or `--flags` of launch_server)."""
-    cpu = torch.device(device).type == "cpu"
+    where = torch.device(device)
+    cpu = where.type == "cpu"
     args: dict[str, Any] = {
-        "model_path": model_path, "device": "cpu" if cpu else device, "dtype": dtype, "random_seed": seed,
+        "model_path": model_path, "device": where.type, "dtype": dtype, "random_seed": seed,
         "tp_size": s.tp_size, "mem_fraction_static": s.mem_fraction, "skip_tokenizer_init": True,
         "enable_memory_saver": not cpu,  # GPU-only: on CPU the scheduler dies looking for libcuda
         "log_level": "warning"}
+    if where.index is not None:  # cuda:1 → SGLang's first GPU is 1
+        args["base_gpu_id"] = where.index
     if s.max_total_tokens is not None:
         args["max_total_tokens"] = s.max_total_tokens
     backend = s.attention_backend or ("torch_native" if cpu else None)

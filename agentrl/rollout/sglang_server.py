@@ -1,18 +1,21 @@
 """The SGLang engine over HTTP: a server at a given URL, or one launched here on 127.0.0.1.
 
 The same protocol as the in-process engine, through SGLang's routes: /generate (input_ids in,
-output_ids and logprobs out), /update_weights_from_tensor, /flush_cache,
+output_ids and logprobs out), /update_weights_from_tensor or /update_weights_from_disk, /flush_cache,
 /release_memory_occupation, /resume_memory_occupation and /health_generate. Every request has a
 timeout; one that cannot reach the server is retried with backoff, and if it still fails the error
 names the URL, the route and the cause (with the launched server's exit code and log tail), so a
 dead server stops the run instead of hanging it.
 
-Weights: SGLang's own HTTP clients send pickled tensor *handles* (CUDA IPC), which only a process
-on the same GPUs can open; CPU tensors shared that way are file descriptors that an unrelated
-process cannot receive. So CUDA tensors to a loopback server go as handles (no copy), and everything
-else goes by value (a plain pickle, base64 in the JSON body, which SGLang's restricted unpickler
-accepts), bucket by bucket. That also serves a server on another host, so /update_weights_from_disk
-and a checkpoint directory per sync are not needed.
+Weights go by where the server is and where the tensors are (`weight_transfer="auto"`):
+- CUDA tensors, loopback server: /update_weights_from_tensor with pickled CUDA IPC handles, as
+  SGLang's own HTTP client sends them (no copy; the server must be on the same GPUs).
+- CPU tensors, loopback server: /update_weights_from_disk from safetensors shards in a temporary
+  directory. Handles cannot work here (a CPU tensor's handle is a file descriptor only the sender's
+  own child processes can receive), and the bytes in the JSON body are slow: base64 plus SGLang's
+  parsing took 56 s for SmolLM2's 538 MB on a 2-core CPU, the disk 2.6 s.
+- a server on another host: /update_weights_from_tensor by value (a plain pickle, base64, which
+  SGLang's restricted unpickler accepts), bucket by bucket.
 
 This module does not import sglang: it starts `python -m sglang.launch_server` as a subprocess.
 """
@@ -23,19 +26,23 @@ import asyncio
 import atexit
 import base64
 import io
+import itertools
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterable
+from pathlib import Path
+from typing import Any, Iterable, Literal
 from urllib.parse import urlparse
 
 import httpx
 import torch
+from safetensors.torch import save_file
 
 from agentrl.rollout.sglang_engine import (ReleasedRegions, check_score_args, prompt_logprobs, sampling_dict,
                                            to_completion, weight_buckets)
@@ -107,7 +114,8 @@ def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], by_handle: bool) ->
     """base64 of a pickle SGLang's scheduler unpickles: CUDA IPC handles, or the tensors' bytes."""
     buffer = io.BytesIO()
     if by_handle:
-        from torch.multiprocessing.reductions import ForkingPickler  # registers torch's handle reductions
+        import torch.multiprocessing  # noqa: F401  registers torch's handle reductions with ForkingPickler
+        from multiprocessing.reduction import ForkingPickler
 
         ForkingPickler(buffer).dump(bucket)
     else:
@@ -119,7 +127,7 @@ class SGLangServerEngine:
     """An SGLang HTTP server behind the Engine protocol."""
 
     def __init__(self, url: str | None, args: dict[str, Any], update_bucket_bytes: int = 512 * 2**20,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, weight_transfer: Literal["auto", "disk", "tensor"] = "auto"):
         self.process: subprocess.Popen | None = None
         self.log_path: str | None = None
         if url is None:
@@ -128,6 +136,8 @@ class SGLangServerEngine:
         self.tp_size = int(args.get("tp_size", 1))
         self.update_bucket_bytes = update_bucket_bytes
         self.timeout_s = timeout_s
+        self.weight_transfer = weight_transfer
+        self._weights_dir: Path | None = None
         self.weight_version = 0
         self.stats = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._regions = ReleasedRegions()
@@ -203,14 +213,41 @@ class SGLangServerEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush_cache: bool = True) -> None:
-        loopback = urlparse(self.url).hostname in LOOPBACK
-        for bucket in weight_buckets(named_tensors, self.update_bucket_bytes):
-            payload = serialize_bucket(bucket, by_handle=loopback and all(t.is_cuda for _, t in bucket))
-            self._post("/update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp_size,
-                                                       "flush_cache": False})
+        buckets = weight_buckets(named_tensors, self.update_bucket_bytes)
+        first = next(buckets, None)
+        if first is not None:
+            buckets = itertools.chain([first], buckets)
+            loopback = urlparse(self.url).hostname in LOOPBACK
+            if self.weight_transfer == "disk" or (self.weight_transfer == "auto" and loopback and not first[0][1].is_cuda):
+                self._update_from_disk(buckets)
+            else:
+                for bucket in buckets:
+                    payload = serialize_bucket(bucket, by_handle=loopback and all(t.is_cuda for _, t in bucket))
+                    self._post("/update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp_size,
+                                                               "flush_cache": False})
         if flush_cache:
             self._post("/flush_cache")
         self.weight_version = version
+
+    def _update_from_disk(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """One safetensors shard per bucket in a fresh directory, loaded by the server in one call.
+
+        The directory stays until the next update replaces it: SGLang keeps it as its model path.
+        """
+        directory = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
+        seen: set[tuple] = set()  # a tied tensor (one tensor, two names) is written once
+        for i, bucket in enumerate(buckets):
+            key = lambda t: (t.data_ptr(), tuple(t.shape), t.dtype)  # noqa: E731
+            shard = {name: t.contiguous() for name, t in bucket if key(t) not in seen}
+            seen.update(key(t) for _, t in bucket)
+            if shard:
+                save_file(shard, str(directory / f"model-{i:05d}.safetensors"))
+        try:
+            self._post("/update_weights_from_disk", {"model_path": str(directory), "flush_cache": False})
+        finally:
+            if self._weights_dir is not None:
+                shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = directory
 
     def release_memory(self) -> None:
         regions = self._regions.to_release()
@@ -226,5 +263,7 @@ class SGLangServerEngine:
 
     def close(self) -> None:
         self._client.close()
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
         if self.process is not None:
             stop_server(self.process)
