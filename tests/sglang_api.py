@@ -19,6 +19,7 @@ SNAPSHOT = Path(__file__).with_name("sglang_api.json")
 ROOT = "python/sglang/srt/"
 ENGINE_METHODS = ["__init__", "async_generate", "update_weights_from_tensor", "flush_cache",
                   "release_memory_occupation", "resume_memory_occupation", "shutdown"]
+TOKENIZER_METHODS = ["flush_cache"]  # Engine.tokenizer_manager's (its flush can wait for an idle scheduler)
 SERVER_ARGS = ["model_path", "device", "dtype", "random_seed", "tp_size", "mem_fraction_static",
                "skip_tokenizer_init", "enable_memory_saver", "log_level", "max_total_tokens",
                "attention_backend", "disable_overlap_schedule", "base_gpu_id", "host", "port"]
@@ -31,6 +32,7 @@ REQUESTS = ["GenerateReqInput", "UpdateWeightsFromTensorReqInput", "UpdateWeight
 def read_sources(tarball: str | Path) -> dict[str, ast.Module]:
     """The parsed modules this snapshot reads, straight from the tarball's members."""
     names = {"engine": "entrypoints/engine.py", "server_args": "server_args.py", "http": "entrypoints/http_server.py",
+             "tokenizer": "managers/tokenizer_control_mixin.py",
              "io": "managers/io_struct.py", "sampling": "sampling/sampling_params.py", "constants": "constants.py",
              "common": "utils/common.py"}
     wanted = {ROOT + path: key for key, path in names.items()}
@@ -71,12 +73,14 @@ def method(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> dict:
 
 
 def routes(module: ast.Module) -> dict[str, dict]:
-    """FastAPI routes: path → methods and the request type of the handler's `obj` parameter."""
+    """FastAPI routes: path → methods, the request type of the handler's `obj` parameter, and its
+    other parameters (query parameters)."""
     out: dict[str, dict] = {}
     for fn in module.body:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         body_type = None
+        params = [a.arg for a in fn.args.args if a.arg not in ("obj", "request", "raw_request")]
         for arg in fn.args.args:
             if arg.arg == "obj" and arg.annotation is not None:
                 text = ast.unparse(arg.annotation)
@@ -92,7 +96,7 @@ def routes(module: ast.Module) -> dict[str, dict]:
                 if kw.arg == "methods":
                     methods = [e.value for e in kw.value.elts]
             path = deco.args[0].value
-            entry = out.setdefault(path, {"methods": [], "body": body_type})
+            entry = out.setdefault(path, {"methods": [], "body": body_type, "params": params})
             entry["methods"] = sorted(set(entry["methods"]) | set(methods))
     return out
 
@@ -111,6 +115,8 @@ def extract(tarball: str | Path) -> dict:
     m = read_sources(tarball)
     engine = {n.name: n for n in find_class(m["engine"], "Engine").body
               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    tokenizer = {n.name: n for n in find_class(m["tokenizer"], "TokenizerControlMixin").body
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     server_args = fields(find_class(m["server_args"], "ServerArgs"))
     all_routes = routes(m["http"])
     unpickler = find_class(m["common"], "SafeUnpickler")
@@ -119,6 +125,7 @@ def extract(tarball: str | Path) -> dict:
     return {
         "source": Path(tarball).name,
         "engine_methods": {name: method(engine[name]) for name in ENGINE_METHODS},
+        "tokenizer_manager_methods": {name: method(tokenizer[name]) for name in TOKENIZER_METHODS},
         "server_args": {name: server_args[name] for name in SERVER_ARGS},
         "routes": {path: all_routes[path] for path in ROUTES},
         "requests": {name: sorted(fields(find_class(m["io"], name))) for name in REQUESTS},

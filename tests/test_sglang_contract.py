@@ -46,19 +46,18 @@ def test_snapshot_matches_the_sglang_source():
     assert extract(SOURCE) == API
 
 
-def engine_calls() -> list[tuple[str, list[str | None]]]:
-    """(method, keywords) of every `self._engine.METHOD(...)` in sglang_engine.py."""
+def engine_calls(owner: str) -> list[tuple[str, list[str | None]]]:
+    """(method, keywords) of every `OWNER.METHOD(...)` call in sglang_engine.py."""
     calls = []
     for node in ast.walk(ast.parse(ENGINE_SOURCE.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and ast.unparse(node.func.value) == "self._engine":
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == owner:
             calls.append((node.func.attr, [kw.arg for kw in node.keywords]))
     return calls
 
 
 def test_in_process_engine_calls_exist_with_those_keywords():
-    calls = engine_calls()
-    assert {name for name, _ in calls} == {"async_generate", "update_weights_from_tensor", "flush_cache",
+    calls = engine_calls("self._engine")
+    assert {name for name, _ in calls} == {"async_generate", "update_weights_from_tensor",
                                            "release_memory_occupation", "resume_memory_occupation", "shutdown"}
     for name, keywords in calls:
         assert name in API["engine_methods"], f"sglang.Engine.{name} is not in the snapshot: {REGENERATE}"
@@ -67,6 +66,10 @@ def test_in_process_engine_calls_exist_with_those_keywords():
         # Synchronous calls are routed to the engine's loop thread through Engine.loop.run_until_complete.
         assert spec["async"] if name == "async_generate" else spec["runs_on_self_loop"] or name == "shutdown", name
     assert API["engine_methods"]["__init__"]["var_kwargs"]  # sglang.Engine(**server_args)
+    # The flush that waits for an idle scheduler is the tokenizer manager's (a coroutine).
+    assert engine_calls("self._engine.tokenizer_manager") == [("flush_cache", ["timeout_s"])]
+    spec = API["tokenizer_manager_methods"]["flush_cache"]
+    assert spec["async"] and "timeout_s" in spec["params"]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
@@ -127,6 +130,7 @@ class FakeServer:
         self.requests: list[tuple[str, str, dict]] = []
         self.failures = failures  # connection errors before the first answer
         self.loaded: list[dict[str, dict[str, torch.Tensor]]] = []  # shards of each disk update
+        self.queries: list[dict[str, str]] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if self.failures:
@@ -134,6 +138,7 @@ class FakeServer:
             raise httpx.ConnectError("connection refused", request=request)
         body = json.loads(request.content) if request.content else {}
         self.requests.append((request.method, request.url.path, body))
+        self.queries.append(dict(request.url.params))
         if request.url.path == "/update_weights_from_disk":  # read now: the next update deletes the files
             self.loaded.append({f.name: load_file(f) for f in sorted(Path(body["model_path"]).iterdir())})
         if request.url.path != "/generate":
@@ -157,9 +162,10 @@ def fake_server(monkeypatch):
     return server
 
 
-def check_against_api(method: str, path: str, body: dict) -> None:
+def check_against_api(method: str, path: str, body: dict, query: dict | None = None) -> None:
     route = API["routes"][path]
     assert method in route["methods"], (method, path)
+    assert set(query or {}) <= set(route["params"]), (path, query)
     if route["body"]:
         assert set(body) <= set(API["requests"][route["body"]]), f"{path}: {set(body) - set(API['requests'][route['body']])}"
 
@@ -182,13 +188,17 @@ async def test_server_engine_requests_are_sglang_requests(fake_server):
 
     paths = [(m, p) for m, p, _ in fake_server.requests]
     assert paths == [("GET", "/health_generate"), ("POST", "/generate"), ("POST", "/generate"),
-                     ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
-                     ("POST", "/update_weights_from_tensor"), ("POST", "/update_weights_from_tensor"),
-                     ("POST", "/flush_cache"), ("POST", "/resume_memory_occupation")]
-    for method, path, body in fake_server.requests:
-        check_against_api(method, path, body)
+                     ("POST", "/flush_cache"), ("POST", "/release_memory_occupation"),
+                     ("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_tensor"),
+                     ("POST", "/update_weights_from_tensor"), ("POST", "/flush_cache"),
+                     ("POST", "/resume_memory_occupation")]
+    for (method, path, body), query in zip(fake_server.requests, fake_server.queries):
+        check_against_api(method, path, body, query)
         if "sampling_params" in body:
             assert set(body["sampling_params"]) <= set(API["sampling_params"])
+    # Every flush (also the one before a release) waits for the scheduler to be idle.
+    assert [q for (_, p, _), q in zip(fake_server.requests, fake_server.queries) if p == "/flush_cache"] == \
+        [{"timeout": "60.0"}] * 2
     tags = [body["tags"] for _, path, body in fake_server.requests if "memory" in path]
     assert tags == [["weights", "kv_cache", "cuda_graph"], ["weights"], ["kv_cache", "cuda_graph"]]
     # Two buckets of at most 48 bytes, one payload per tensor-parallel rank, each a pickle SGLang accepts.

@@ -35,6 +35,7 @@ from agentrl.rollout.engine import Engine
 from agentrl.types import Completion, SamplingParams
 
 MEMORY_TAGS = ("weights", "kv_cache")
+IDLE_TIMEOUT_S = 60.0  # how long a flush may wait for SGLang's scheduler to finish its last batch
 # SGLang's regions behind each tag; CUDA graphs are scratch like the KV cache and come back with it.
 _SGLANG_REGIONS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
 
@@ -206,13 +207,17 @@ class SGLangEngine:
         self.weight_version = version
 
     def flush_cache(self) -> None:
-        result = self._engine.flush_cache()
+        """Empty the prefix cache once the scheduler is idle: it is so only one loop after its last
+        output, so the flush waits for that (Engine.flush_cache would fail instead)."""
+        result = self._thread.run_until_complete(
+            self._engine.tokenizer_manager.flush_cache(timeout_s=IDLE_TIMEOUT_S))
         if not result.success:
             raise RuntimeError(f"SGLang flush_cache failed: {result.message or 'requests still running'}")
 
     def release_memory(self) -> None:
         regions = self._regions.to_release()
         if regions:
+            self.flush_cache()  # SGLang's scheduler dies on a release before it is idle
             self._engine.release_memory_occupation(tags=regions)
             self._regions.released.update(regions)
 
@@ -232,8 +237,8 @@ def build_sglang_engine(config: RecipeConfig) -> Engine:
     """The SGLang engine a recipe asks for: in this process, or a server (given or launched)."""
     s = config.engine.sglang
     if (s.mode == "in_process" or s.url is None) and importlib.util.find_spec("sglang") is None:
-        raise ConfigError("engine.name 'sglang': SGLang is not installed here (GPU: pip install \"agentrl[sglang]\"; "
-                          "CPU: see `make test-sglang`), and engine.sglang.url names no running server")
+        raise ConfigError("engine.name 'sglang': SGLang is not installed here (on GPUs: pip install "
+                          "\"agentrl[sglang]\"; on CPU: the environment `make test-sglang` builds)")
     args = server_args(resolve_model(config.model.path), config.engine.device, config.model.dtype,
                        config.engine.seed, s)
     if s.mode == "server":

@@ -44,8 +44,8 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from agentrl.rollout.sglang_engine import (ReleasedRegions, check_score_args, prompt_logprobs, sampling_dict,
-                                           to_completion, weight_buckets)
+from agentrl.rollout.sglang_engine import (IDLE_TIMEOUT_S, ReleasedRegions, check_score_args, prompt_logprobs,
+                                           sampling_dict, to_completion, weight_buckets)
 from agentrl.types import Completion, SamplingParams
 
 RETRIES = 3  # attempts for a request that cannot reach the server
@@ -152,14 +152,16 @@ class SGLangServerEngine:
                      f"{log_tail(self.log_path)}"
         return RuntimeError(where)
 
-    def _post(self, route: str, body: dict[str, Any] | None = None, retries: int = RETRIES) -> httpx.Response:
-        return self._send("POST", route, body or {}, retries)
+    def _post(self, route: str, body: dict[str, Any] | None = None, retries: int = RETRIES,
+              params: dict[str, Any] | None = None) -> httpx.Response:
+        return self._send("POST", route, body or {}, retries, params=params)
 
     def _send(self, method: str, route: str, body: dict[str, Any] | None, retries: int = RETRIES,
-              timeout: float | None = None) -> httpx.Response:
+              timeout: float | None = None, params: dict[str, Any] | None = None) -> httpx.Response:
         for attempt in range(retries):
             try:
-                response = self._client.request(method, route, json=body, timeout=timeout or self.timeout_s)
+                response = self._client.request(method, route, json=body, params=params,
+                                                timeout=timeout or self.timeout_s)
                 break
             except httpx.TransportError as e:  # not reachable, or no answer within the timeout
                 if attempt == retries - 1:
@@ -226,8 +228,12 @@ class SGLangServerEngine:
                     self._post("/update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp_size,
                                                                "flush_cache": False})
         if flush_cache:
-            self._post("/flush_cache")
+            self.flush_cache()
         self.weight_version = version
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache once the scheduler is idle (one loop after its last output)."""
+        self._post("/flush_cache", params={"timeout": IDLE_TIMEOUT_S})
 
     def _update_from_disk(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """One safetensors shard per bucket in a fresh directory, loaded by the server in one call.
@@ -252,6 +258,7 @@ class SGLangServerEngine:
     def release_memory(self) -> None:
         regions = self._regions.to_release()
         if regions:  # not retried: SGLang refuses to release a region twice
+            self.flush_cache()  # SGLang's scheduler dies on a release before it is idle
             self._post("/release_memory_occupation", {"tags": regions}, retries=1)
             self._regions.released.update(regions)
 

@@ -86,7 +86,7 @@ def test_episode_loop_throughput_against_the_transformers_engine(engine, hf_engi
     record(**figures)
 
 
-def test_release_and_resume_keep_greedy_output_identical(engine, tokenizer):
+def test_release_and_resume_keep_greedy_output_identical(engine, hf_engine, tokenizer):
     runner = make_runner(engine, tokenizer)
     prompt = runner.renderer.prompt_ids(tool_tasks(MORE_QUESTIONS)[0].messages())
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=runner.stop_ids)
@@ -94,7 +94,7 @@ def test_release_and_resume_keep_greedy_output_identical(engine, tokenizer):
     engine.release_memory()
     engine.release_memory()  # a second release has nothing left to release
     engine.resume_memory(("weights",))
-    weights = load_model("smollm2-135m-instruct", "float32").state_dict()
+    weights = hf_engine.model.state_dict()  # the same float32 weights, reloaded
     started = time.perf_counter()
     engine.update_weights(weights.items(), version=1)
     sync_s = time.perf_counter() - started
