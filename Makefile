@@ -2,11 +2,13 @@
 # make test       set up .venv on a fresh machine (CPU torch first), the Debian packages tests use, and run the suite
 # make rollout    run the small CPU rollout recipe with SmolLM2-135M-Instruct
 # make bench      run the benchmarks in bench/ (vs_trl.py sets up TRL in .venv-trl on first use)
+# make test-sglang  the real-SGLang tests on CPU, in a separate SGLang environment (~10 min, ~6 GB
+#                   to set up the first time, cached in $(AGENTRL_CACHE)/sglang-venv)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-packages test quickstart rollout bench clean
+.PHONY: setup system-packages test quickstart rollout bench clean sglang-setup test-sglang
 
 # Debian packages the tests drive for real: headless Chromium for the trajectory viewer, bubblewrap
 # for the python tool's sandbox.
@@ -52,6 +54,50 @@ bench: setup
 	$(PY) bench/vs_trl.py
 	$(PY) bench/fsdp_overhead.py
 	$(PY) bench/weight_sync.py
+
+# SGLang's CPU backend: its source tree and CPU kernel wheel (see README, "SGLang engine").
+SGLANG_CPU ?= ../shared/sglang-cpu
+SGLANG_COMMIT := 44806dc
+AGENTRL_CACHE ?= $(HOME)/.cache/agentrl
+SGLANG_VENV ?= $(AGENTRL_CACHE)/sglang-venv
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed-$(SGLANG_COMMIT)
+
+$(SGLANG_STAMP):
+	test -f $(SGLANG_CPU)/sglang-python-$(SGLANG_COMMIT).tar.gz || \
+		{ echo "no SGLang source in $(SGLANG_CPU); set SGLANG_CPU=DIR"; exit 2; }
+	rm -rf $(SGLANG_VENV)
+	python3.11 -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet --upgrade pip
+	# PyPI's torch (the CUDA build; it runs on CPU), because the CPU-only torch has no matching
+	# torchvision. --isolated skips user pip settings (find-links) that may offer a +cpu build.
+	$(SGLANG_PY) -m pip install --quiet --isolated torch==2.13.0 torchvision==0.28.0
+	# SGLang's CPU requirements with triton relaxed to what torch 2.13.0 needs.
+	sed 's/^triton==.*/triton==3.7.1/' $(SGLANG_CPU)/requirements.txt > $(SGLANG_VENV)/requirements.txt
+	$(SGLANG_PY) -m pip install --quiet -r $(SGLANG_VENV)/requirements.txt
+	$(SGLANG_PY) -m pip install --quiet --no-deps timm==1.0.16
+	$(SGLANG_PY) -m pip install --quiet --no-deps $(SGLANG_CPU)/sglang_kernel_cpu-*.whl
+	$(SGLANG_PY) -m pip install --quiet "setuptools>=61" "setuptools-scm>=8" wheel
+	mkdir -p $(SGLANG_VENV)/src
+	tar xzf $(SGLANG_CPU)/sglang-python-$(SGLANG_COMMIT).tar.gz -C $(SGLANG_VENV)/src
+	cp $(SGLANG_VENV)/src/python/pyproject_cpu.toml $(SGLANG_VENV)/src/python/pyproject.toml
+	cd $(SGLANG_VENV)/src/python && SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0.dev0+g$(SGLANG_COMMIT) \
+		$(SGLANG_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(SGLANG_STAMP)
+
+sglang-setup: $(SGLANG_STAMP)
+
+# One test file at a time: each starts SGLang's scheduler processes.
+SGLANG_TESTS := $(wildcard tests/real_sglang/test_*.py)
+test-sglang: sglang-setup
+	# agentrl and its dependencies (torch and transformers are SGLang's); the environment is shared
+	# between checkouts, so it points at this one.
+	$(SGLANG_PY) -m pip install --quiet -e ".[dev]"
+	$(SGLANG_PY) -m agentrl.models smollm2-135m-instruct
+	rm -f runs/test-sglang/figures.json
+	set -e; for t in $(SGLANG_TESTS); do \
+		SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m pytest -q -rs -m sglang $$t; done
+	cat runs/test-sglang/figures.json
 
 clean:
 	rm -rf $(VENV) .venv-trl runs .pytest_cache

@@ -88,14 +88,30 @@ class RolloutConfig(_Section):
                                                 "endpoint instead of the builtin loop (null: builtin).")
 
 
+class SGLangConfig(_Section):
+    mode: Literal["in_process", "server"] = Field(
+        "in_process", description="'in_process' (sglang.Engine, weights passed as tensors) or 'server' (HTTP).")
+    url: str | None = Field(None, description="Server mode: a running server's URL (null: launch one on 127.0.0.1).")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs of the engine.")
+    mem_fraction: float = Field(0.5, gt=0, lt=1, description="Share of GPU memory for weights and KV cache.")
+    max_total_tokens: int | None = Field(None, ge=64, description="KV-cache size in tokens (null: from mem_fraction).")
+    attention_backend: str | None = Field(
+        None, description="SGLang attention kernels (null: SGLang's choice on GPU, torch_native on CPU).")
+    update_bucket_bytes: int = Field(512 * 2**20, ge=2**20, description="Bytes of weights sent per update call.")
+    timeout_s: float = Field(600.0, gt=0, description="Server mode: seconds a request, or a launch, may take.")
+    extra_args: dict[str, Any] = Field(default_factory=dict,
+                                       description="Further SGLang server arguments, e.g. {context_length: 4096}.")
+
+
 class EngineConfig(_Section):
-    name: Literal["hf"] = Field("hf", description="Inference engine: 'hf' (transformers).")
+    name: Literal["hf", "sglang"] = Field("hf", description="Inference engine: 'hf' (transformers) or 'sglang'.")
     device: str = Field("cpu", description="Torch device of the engine.")
-    max_batch_size: int = Field(64, ge=1, description="Generate calls decoded together.")
+    max_batch_size: int = Field(64, ge=1, description="Generate calls decoded together (hf).")
     seed: int = Field(0, description="Sampling seed.")
     kv_cache_bytes: int = Field(2 * 1024**3, ge=0, description="Memory for keys and values kept between an "
                                 "episode's turns, so a turn prefills only its new tokens; least recently used "
                                 "entries are evicted beyond it (0: off).")
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="SGLang settings (name 'sglang').")
 
 
 class RewardConfig(_Section):

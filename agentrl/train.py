@@ -1,6 +1,6 @@
 """The RL driver. One step: collect groups → release engine memory → old and reference logprobs →
-(critic values) → advantages → policy (and critic) update → resume engine memory → weight sync
-(new version, cache flush) → log.
+(critic values) → advantages → policy (and critic) update → resume the engine's weights → weight sync
+(new version, cache flush) → resume its KV cache → log.
 
 Everything a step needs is built once in `train`; the loop body reads top to bottom. The roles are
 plain objects in this process (trainer.backend 'local') or the same classes as Ray actors, sharded
@@ -134,8 +134,9 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
             update = learn(trajectories, r.group_size, a, roles.policy, roles.reference, roles.critic, times)
 
             clock = time.perf_counter()
-            roles.resume_memory()
+            roles.resume_memory(("weights",))  # the weights first: the KV cache is not needed to load them
             roles.sync_weights(version=step)
+            roles.resume_memory(("kv_cache",))
             times["time_sync_s"] = time.perf_counter() - clock
 
             record = step_record(step, trajectories, rollout, update, times, roles.weight_version())

@@ -70,5 +70,5 @@ class ScriptedEngine:
     def release_memory(self):
         return None
 
-    def resume_memory(self):
+    def resume_memory(self, tags=None):
         return None

@@ -93,7 +93,9 @@ def test_gsm8k_recipe_header_overrides_make_a_cpu_run():
     words = " ".join(header[start:start + 4]).split()
     config = load_recipe(words[2], words[3:])
     assert config.model.path == "smollm2-135m-instruct" and config.engine.device == config.trainer.device == "cpu"
+    assert config.engine.name == "hf" and load_recipe("recipes/gsm8k_tool.yaml").engine.name == "sglang"
     assert config.data.files == ["../shared/data/gsm8k/train.jsonl"] and config.trainer.steps == 2
+    assert config.trainer.micro_batch_tokens == 2048  # two ranks and a reference fit in 24 GB
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -1,7 +1,7 @@
 """The engine protocol: token ids in, token ids + logprobs + finish reason out.
 
-The transformers engine (hf_engine.py) implements it on CPU or GPU; an SGLang engine implements the
-same calls on GPU. The rollout loop only ever sees this protocol.
+The transformers engine (hf_engine.py) implements it on CPU or GPU, the SGLang engine
+(sglang_engine.py) in-process or over HTTP. The rollout loop only ever sees this protocol.
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ class Engine(Protocol):
         ...
 
     def release_memory(self) -> None:
-        """Free accelerator memory while training runs (no-op where meaningless)."""
+        """Free accelerator memory (weights and KV cache) while training runs; no-op where meaningless."""
         ...
 
-    def resume_memory(self) -> None: ...
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """Take back released memory: tags from {"weights", "kv_cache"}, None for all. The driver
+        resumes "weights", updates them, then resumes "kv_cache", so both never peak together with
+        the new weights in flight."""
+        ...

@@ -28,6 +28,7 @@ import torch
 
 from agentrl.rollout.kv_cache import PrefixKVCache, batched_prefill, supports_prefix_reuse
 from agentrl.rollout.running_batch import Row, RunningBatch
+from agentrl.rollout.memory_saver import TAGS, MemorySaver
 from agentrl.types import Completion, SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
@@ -75,8 +76,10 @@ class HFEngine:
     """A transformers causal LM behind the Engine protocol."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch_size: int = 32,
-                 batch_wait_s: float = 0.002, seed: int = 0, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
-        self.model = model.eval()
+                 batch_wait_s: float = 0.002, seed: int = 0, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                 memory_saver: MemorySaver | None = None):
+        self.model = model.eval()  # on CUDA, moved there inside memory_saver.region("weights")
+        self.memory_saver = memory_saver or MemorySaver()
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -135,7 +138,8 @@ class HFEngine:
             future.get_loop().call_soon_threadsafe(_resolve, future, result)
 
         try:
-            with self._lock, torch.no_grad():
+            # The KV cache and activations are allocated in the region release_memory frees.
+            with self._lock, torch.no_grad(), self.memory_saver.region("kv_cache"):
                 self._decode(admit(self.max_batch_size), lambda row: settle(row, self._completion(row)), admit)
         except Exception as e:  # the callers decide what a failed generation means
             for row in rows:
@@ -162,7 +166,7 @@ class HFEngine:
         def done(row: Row) -> None:
             results[row.owner] = self._completion(row)
 
-        with self._lock:
+        with self._lock, self.memory_saver.region("kv_cache"):
             self._decode([Row(p, s, owner=i) for i, (p, s) in enumerate(zip(prompts, sampling))], done)
         return results  # type: ignore[return-value]
 
@@ -259,7 +263,12 @@ class HFEngine:
             self.weight_version = version
 
     def release_memory(self) -> None:
-        return None
+        with self._lock:  # the prefix cache's tensors live in the released region: drop them first
+            self.prefix_cache.clear()
+            self.stats["kv_cache_bytes"] = 0
+        for tag in reversed(TAGS):
+            self.memory_saver.pause(tag)
 
-    def resume_memory(self) -> None:
-        return None
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        for tag in TAGS if tags is None else [t for t in TAGS if t in tags]:
+            self.memory_saver.resume(tag)

@@ -21,8 +21,10 @@ from agentrl.env.rewards import load_reward_fn
 from agentrl.env.tool_env import ToolLimits
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import run_episodes, summarize, write_jsonl
+from agentrl.rollout.engine import Engine
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
+from agentrl.rollout.memory_saver import memory_saver_for
 from agentrl.tools.loader import load_tool_files
 from agentrl.tools.parsers import get_parser
 from agentrl.types import Task
@@ -57,6 +59,20 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
         interaction_scores=config.reward.interaction_scores)
 
 
+def build_engine(config: RecipeConfig, pad_token_id: int) -> Engine:
+    """The engine `engine.name` asks for; SGLang is imported only when it is the one."""
+    e = config.engine
+    if e.name == "sglang":
+        from agentrl.rollout.sglang_engine import build_sglang_engine
+
+        return build_sglang_engine(config)
+    saver = memory_saver_for(e.device)  # on CUDA the weights live in a region the engine can release
+    with saver.region("weights"):
+        model = load_model(config.model.path, choose_dtype(config.model.dtype, e.device).dtype).to(e.device)
+    return HFEngine(model, pad_token_id=pad_token_id, max_batch_size=e.max_batch_size, seed=e.seed,
+                    kv_cache_bytes=e.kv_cache_bytes, memory_saver=saver)
+
+
 def load_user_parts(config: RecipeConfig) -> tuple[list, Callable[[], Any] | None, Any]:
     """The user's tool files, interaction and reward function, each checked: (tools, interaction
     factory, reward function)."""
@@ -74,20 +90,17 @@ def load_driver_parts(config: RecipeConfig) -> tuple[list[Task], Any]:
                                  needs_tools=bool(tools) or config.rollout.agent is not None)
 
 
-def load_policy(config: RecipeConfig, engine: HFEngine | None = None,
-                needs_tools: bool = False) -> tuple[Any, HFEngine]:
+def load_policy(config: RecipeConfig, engine: Engine | None = None,
+                needs_tools: bool = False) -> tuple[Any, Engine]:
     """The tokenizer with the recipe's chat template, and the engine on the recipe's model (unless
     one is given)."""
     tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=needs_tools)
     if engine is None:
-        dtype = choose_dtype(config.model.dtype, config.engine.device).dtype
-        model = load_model(config.model.path, dtype).to(config.engine.device)
-        engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=config.engine.max_batch_size,
-                          seed=config.engine.seed, kv_cache_bytes=config.engine.kv_cache_bytes)
+        engine = build_engine(config, tokenizer.pad_token_id)
     return tokenizer, engine
 
 
-def build_runner(config: RecipeConfig, engine: HFEngine | None = None, files_key: str = "data.files",
+def build_runner(config: RecipeConfig, engine: Engine | None = None, files_key: str = "data.files",
                  with_tasks: bool = True) -> tuple[EpisodeRunner | AgentRunner, list[Task]]:
     """User files first (cheap, fail fast), then the tokenizer, the model and the engine. With
     `rollout.agent` the runner is an AgentRunner: the agent function against the endpoint."""

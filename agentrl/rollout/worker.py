@@ -41,8 +41,9 @@ class RolloutWorker:
     def release_memory(self) -> None:
         self.engine.release_memory()
 
-    def resume_memory(self) -> None:
-        self.engine.resume_memory()
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """Tags from {"weights", "kv_cache"}; None takes back both."""
+        self.engine.resume_memory(tags)
 
     def rng_state(self) -> torch.Tensor | None:
         """The engine's sampling generator state (None for engines that keep their own)."""

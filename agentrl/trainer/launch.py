@@ -282,8 +282,8 @@ class RayRoles(Roles):
     def release_memory(self) -> None:
         self._rollout_call("release_memory")
 
-    def resume_memory(self) -> None:
-        self._rollout_call("resume_memory")
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        self._rollout_call("resume_memory", tags)
 
     def sync_weights(self, version: int) -> None:
         t = self.config.trainer

@@ -86,7 +86,8 @@ class Roles:
 
     def release_memory(self) -> None: ...
 
-    def resume_memory(self) -> None: ...
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """Tags from {"weights", "kv_cache"}, None for both: a sync resumes the weights first."""
 
     def sync_weights(self, version: int) -> None: ...
 
@@ -145,8 +146,8 @@ class LocalRoles(Roles):
     def release_memory(self) -> None:
         self.rollout.release_memory()
 
-    def resume_memory(self) -> None:
-        self.rollout.resume_memory()
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        self.rollout.resume_memory(tags)
 
     def sync_weights(self, version: int) -> None:
         self.policy.push_weights(LocalSink([self.rollout]), version, self.config.trainer.sync_bucket_mb << 20)

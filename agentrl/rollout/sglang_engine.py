@@ -1,0 +1,249 @@
+"""The SGLang rollout engine: the Engine protocol over `sglang.Engine` in this process, or over HTTP.
+
+Token ids in and out: SGLang runs with `skip_tokenizer_init`, so the episode loop's ids, masks and
+logprobs are exactly what the engine sampled (stop tokens kept, one logprob per new id). SGLang also
+stops at the model's own EOS ids, which the loop's stop ids normally include. The returned logprobs
+are those of the temperature-scaled distribution (unscaled when greedy), as the trainer recomputes.
+
+In process, sglang.Engine runs its scheduler as child processes and drives them from an asyncio
+loop. That loop must outlive each `asyncio.run` of a rollout and also serve the trainer's
+synchronous calls (weight updates, memory release), so it runs in a daemon thread here, and the
+Engine's synchronous methods are pointed at that thread. Weights go over in buckets of
+`update_bucket_bytes` (as shared-memory or CUDA IPC handles, never pickled by value), then one
+cache flush. Memory is released as SGLang's tagged regions; the driver takes back "weights" before
+a weight update and "kv_cache" only after it.
+
+This is the only module that imports sglang, always inside a function. The HTTP client is in
+sglang_server.py and shares the request building and response parsing below. Neither is used by
+the transformers engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import threading
+from typing import Any, Coroutine, Iterable, Iterator
+
+import torch
+
+from agentrl.config import RecipeConfig, SGLangConfig
+from agentrl.errors import ConfigError
+from agentrl.hardware import choose_dtype
+from agentrl.models import resolve_model
+from agentrl.rollout.engine import Engine
+from agentrl.types import Completion, SamplingParams
+
+MEMORY_TAGS = ("weights", "kv_cache")
+IDLE_TIMEOUT_S = 60.0  # how long a flush may wait for SGLang's scheduler to finish its last batch
+# SGLang's regions behind each tag; CUDA graphs are scratch like the KV cache and come back with it.
+_SGLANG_REGIONS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+
+
+def server_args(model_path: str, device: str, dtype: str, seed: int, s: SGLangConfig) -> dict[str, Any]:
+    """sglang ServerArgs fields for an engine (in-process keywords, or `--flags` of launch_server)."""
+    where = torch.device(device)
+    cpu = where.type == "cpu"
+    args: dict[str, Any] = {
+        "model_path": model_path, "device": where.type, "dtype": dtype, "random_seed": seed,
+        "tp_size": s.tp_size, "mem_fraction_static": s.mem_fraction, "skip_tokenizer_init": True,
+        "enable_memory_saver": not cpu,  # GPU-only: on CPU the scheduler dies looking for libcuda
+        "log_level": "warning"}
+    if where.index is not None:  # cuda:1 → SGLang's first GPU is 1
+        args["base_gpu_id"] = where.index
+    if s.max_total_tokens is not None:
+        args["max_total_tokens"] = s.max_total_tokens
+    backend = s.attention_backend or ("torch_native" if cpu else None)
+    if backend is not None:
+        args["attention_backend"] = backend
+    if cpu:
+        args["disable_overlap_schedule"] = True  # overlap needs a device stream to hide the CPU work behind
+    return {**args, **s.extra_args}
+
+
+def sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
+    """SGLang sampling_params; temperature 0 is greedy in SGLang too."""
+    return {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids)}
+
+
+def to_completion(out: dict[str, Any], version: int) -> Completion:
+    """A generate result (output_ids + meta_info) → Completion, checking that logprobs align."""
+    meta = out["meta_info"]
+    reason = meta["finish_reason"] or {}
+    if reason.get("type") not in ("stop", "length"):
+        raise RuntimeError(f"SGLang ended the request with {reason!r}")
+    ids = list(out["output_ids"])
+    logprobs = meta["output_token_logprobs"]
+    if [entry[1] for entry in logprobs] != ids:
+        raise RuntimeError(f"SGLang returned {len(logprobs)} logprobs that do not match its {len(ids)} new ids")
+    return Completion(ids, [float(entry[0]) for entry in logprobs], reason["type"], version)
+
+
+def prompt_logprobs(out: dict[str, Any], token_ids: list[int], start: int) -> list[float]:
+    """input_token_logprobs of a request with logprob_start_len = start - 1, for token_ids[start:]."""
+    entries = out["meta_info"]["input_token_logprobs"][-(len(token_ids) - start):]
+    if [e[1] for e in entries] != token_ids[start:] or any(e[0] is None for e in entries):
+        raise RuntimeError(f"SGLang returned no prompt logprobs for positions {start}..{len(token_ids) - 1}")
+    return [float(e[0]) for e in entries]
+
+
+def check_score_args(token_ids: list[int], start: int, temperature: float) -> None:
+    if not 1 <= start < len(token_ids):
+        raise ValueError(f"score: start must be in [1, {len(token_ids)}), got {start}")
+    if temperature not in (0.0, 1.0):  # SGLang reports prompt logprobs of the unscaled distribution
+        raise ValueError(f"score: the SGLang engine scores at temperature 1 (or 0) only, got {temperature}")
+
+
+def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most bucket_bytes (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        if bucket and size + tensor.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += tensor.nbytes
+    if bucket:
+        yield bucket
+
+
+class ReleasedRegions:
+    """SGLang regions currently released. SGLang fails on resuming a region it never released."""
+
+    def __init__(self) -> None:
+        self.released: set[str] = set()
+
+    def to_release(self) -> list[str]:
+        return [r for tag in MEMORY_TAGS for r in _SGLANG_REGIONS[tag] if r not in self.released]
+
+    def to_resume(self, tags: tuple[str, ...] | None) -> list[str]:
+        unknown = set(tags or ()) - set(MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"resume_memory: unknown tags {sorted(unknown)}; expected {', '.join(MEMORY_TAGS)}")
+        wanted = MEMORY_TAGS if tags is None else [t for t in MEMORY_TAGS if t in tags]
+        return [r for tag in wanted for r in _SGLANG_REGIONS[tag] if r in self.released]
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread; `run_until_complete` is what sglang.Engine calls on its loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-engine-loop", daemon=True)
+        self.thread.start()
+
+    def run_until_complete(self, coro: Coroutine) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def _shared(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor copied once into shared memory, so the trainer's own storage is never moved there."""
+    if tensor.device.type != "cpu":
+        return tensor.contiguous()  # CUDA tensors travel as IPC handles, without a copy
+    out = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    return out.copy_(tensor)
+
+
+class SGLangEngine:
+    """sglang.Engine in this process (its scheduler in child processes) behind the Engine protocol."""
+
+    def __init__(self, args: dict[str, Any], update_bucket_bytes: int = 512 * 2**20):
+        if args.get("device") == "cpu":
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # read when sglang is imported
+        import sglang
+
+        self.update_bucket_bytes = update_bucket_bytes
+        self.weight_version = 0
+        self.stats = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self._regions = ReleasedRegions()
+        self._engine = sglang.Engine(**args)
+        self._thread = _LoopThread()
+        self._engine.loop = self._thread  # its synchronous calls now run on the thread's loop
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
+        if not token_ids:
+            raise ValueError("generate needs at least one prompt token")
+        version = self.weight_version
+        out = await self._submit(self._engine.async_generate(
+            input_ids=list(token_ids), sampling_params=sampling_dict(sampling), return_logprob=True))
+        completion = to_completion(out, version)
+        self._count(out["meta_info"], len(completion.token_ids))
+        return completion
+
+    async def _submit(self, coro: Coroutine) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._thread.loop))
+
+    def _count(self, meta: dict[str, Any], new_tokens: int) -> None:
+        self.stats["requests"] += 1
+        self.stats["generated_tokens"] += new_tokens
+        self.stats["prompt_tokens"] += int(meta.get("prompt_tokens") or 0)
+        self.stats["cached_tokens"] += int(meta.get("cached_tokens") or 0)
+
+    def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """log p(token t | tokens < t) for t ≥ start (SGLang's input_token_logprobs)."""
+        check_score_args(token_ids, start, temperature)
+        out = self._thread.run_until_complete(self._engine.async_generate(
+            input_ids=list(token_ids), sampling_params={"max_new_tokens": 0}, return_logprob=True,
+            logprob_start_len=start - 1))
+        return prompt_logprobs(out, token_ids, start)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       flush_cache: bool = True) -> None:
+        """Buckets through update_weights_from_tensor without flushing, then one flush."""
+        for bucket in weight_buckets(named_tensors, self.update_bucket_bytes):
+            ok, message = self._engine.update_weights_from_tensor(
+                named_tensors=[(name, _shared(t)) for name, t in bucket], flush_cache=False)
+            if not ok:
+                raise RuntimeError(f"SGLang update_weights_from_tensor failed: {message}")
+        if flush_cache:
+            self.flush_cache()
+        self.weight_version = version
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache once the scheduler is idle: it is so only one loop after its last
+        output, so the flush waits for that (Engine.flush_cache would fail instead)."""
+        result = self._thread.run_until_complete(
+            self._engine.tokenizer_manager.flush_cache(timeout_s=IDLE_TIMEOUT_S))
+        if not result.success:
+            raise RuntimeError(f"SGLang flush_cache failed: {result.message or 'requests still running'}")
+
+    def release_memory(self) -> None:
+        regions = self._regions.to_release()
+        if regions:
+            self.flush_cache()  # SGLang's scheduler dies on a release before it is idle
+            self._engine.release_memory_occupation(tags=regions)
+            self._regions.released.update(regions)
+
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        regions = self._regions.to_resume(tags)
+        if regions:
+            self._engine.resume_memory_occupation(tags=regions)
+            self._regions.released.difference_update(regions)
+
+    def close(self) -> None:
+        """Stop the scheduler processes (sglang kills every child process of this one) and the loop."""
+        self._engine.shutdown()
+        self._thread.stop()
+
+
+def build_sglang_engine(config: RecipeConfig) -> Engine:
+    """The SGLang engine a recipe asks for: in this process, or a server (given or launched)."""
+    s = config.engine.sglang
+    if (s.mode == "in_process" or s.url is None) and importlib.util.find_spec("sglang") is None:
+        raise ConfigError("engine.name 'sglang': SGLang is not installed here (on GPUs: pip install "
+                          "\"agentrl[sglang]\"; on CPU: the environment `make test-sglang` builds)")
+    dtype = choose_dtype(config.model.dtype, config.engine.device).dtype
+    args = server_args(resolve_model(config.model.path), config.engine.device, dtype, config.engine.seed, s)
+    if s.mode == "server":
+        from agentrl.rollout.sglang_server import SGLangServerEngine
+
+        return SGLangServerEngine(s.url, args, s.update_bucket_bytes, s.timeout_s)
+    return SGLangEngine(args, s.update_bucket_bytes)

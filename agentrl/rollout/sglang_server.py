@@ -1,0 +1,277 @@
+"""The SGLang engine over HTTP: a server at a given URL, or one launched here on 127.0.0.1.
+
+The same protocol as the in-process engine, through SGLang's routes: /generate (input_ids in,
+output_ids and logprobs out), /update_weights_from_tensor or /update_weights_from_disk, /flush_cache,
+/release_memory_occupation, /resume_memory_occupation and /health_generate. Every request has a
+timeout; one that cannot reach the server is retried with backoff, and if it still fails the error
+names the URL, the route and the cause (with the launched server's exit code and log tail), so a
+dead server stops the run instead of hanging it.
+
+Weights go by where the server is and where the tensors are (`weight_transfer="auto"`):
+- CUDA tensors, loopback server: /update_weights_from_tensor with pickled CUDA IPC handles, as
+  SGLang's own HTTP client sends them (no copy; the server must be on the same GPUs).
+- CPU tensors, loopback server: /update_weights_from_disk from safetensors shards in a temporary
+  directory. Handles cannot work here (a CPU tensor's handle is a file descriptor only the sender's
+  own child processes can receive), and the bytes in the JSON body are slow: base64 plus SGLang's
+  parsing took 56 s for SmolLM2's 538 MB on a 2-core CPU, the disk 2.6 s.
+- a server on another host: /update_weights_from_tensor by value (a plain pickle, base64, which
+  SGLang's restricted unpickler accepts), bucket by bucket.
+
+This module does not import sglang: it starts `python -m sglang.launch_server` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import importlib
+import io
+import itertools
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Literal
+from urllib.parse import urlparse
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from agentrl.rollout.sglang_engine import (IDLE_TIMEOUT_S, ReleasedRegions, check_score_args, prompt_logprobs,
+                                           sampling_dict, to_completion, weight_buckets)
+from agentrl.types import Completion, SamplingParams
+
+RETRIES = 3  # attempts for a request that cannot reach the server
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def cli_flags(args: dict[str, Any]) -> list[str]:
+    """ServerArgs fields → launch_server flags (`tp_size=2` → `--tp-size 2`, True → bare flag)."""
+    flags: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not None and value is not False:
+            flags += [flag, str(value)]
+    return flags
+
+
+def launch_server(args: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen, str, str]:
+    """Start launch_server on a free loopback port; returns (process, url, log path) once healthy."""
+    with socket.socket() as probe:  # the OS picks a free port; the server binds it right after
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ)
+    if args.get("device") == "cpu":
+        env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    log = tempfile.NamedTemporaryFile("w", prefix="sglang-server-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "sglang.launch_server", *cli_flags(args), "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    atexit.register(stop_server, process)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=10.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"SGLang server for {url} exited with code {process.returncode} while starting; "
+                                   f"log {log.name}: {log_tail(log.name)}")
+            try:
+                if client.get(f"{url}/health_generate").status_code == 200:
+                    return process, url, log.name
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+    stop_server(process)
+    raise RuntimeError(f"SGLang server at {url} was not healthy within {timeout_s:.0f} s; log {log.name}: "
+                       f"{log_tail(log.name)}")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """Stop the server and the scheduler processes it started (its own process group)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def log_tail(path: str, lines: int = 5) -> str:
+    with open(path, errors="replace") as f:
+        return " | ".join(line.strip() for line in f.readlines()[-lines:] if line.strip())
+
+
+def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], by_handle: bool) -> str:
+    """base64 of a pickle SGLang's scheduler unpickles: CUDA IPC handles, or the tensors' bytes."""
+    buffer = io.BytesIO()
+    if by_handle:
+        importlib.import_module("torch.multiprocessing")  # registers torch's handle reductions with ForkingPickler
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler(buffer).dump(bucket)
+    else:
+        pickle.dump([(name, t.cpu()) for name, t in bucket], buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class SGLangServerEngine:
+    """An SGLang HTTP server behind the Engine protocol."""
+
+    def __init__(self, url: str | None, args: dict[str, Any], update_bucket_bytes: int = 512 * 2**20,
+                 timeout_s: float = 600.0, weight_transfer: Literal["auto", "disk", "tensor"] = "auto"):
+        self.process: subprocess.Popen | None = None
+        self.log_path: str | None = None
+        if url is None:
+            self.process, url, self.log_path = launch_server(args, timeout_s)
+        self.url = url.rstrip("/")
+        self.tp_size = int(args.get("tp_size", 1))
+        self.update_bucket_bytes = update_bucket_bytes
+        self.timeout_s = timeout_s
+        self.weight_transfer = weight_transfer
+        self._weights_dir: Path | None = None
+        self.weight_version = 0
+        self.stats = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self._regions = ReleasedRegions()
+        self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._async: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        self.check_health()
+
+    def _failure(self, route: str, cause: str) -> RuntimeError:
+        where = f"SGLang server at {self.url}: {route} failed ({cause})"
+        if self.process is not None and self.process.poll() is not None:
+            where += f"; the server exited with code {self.process.returncode}, log {self.log_path}: " \
+                     f"{log_tail(self.log_path)}"
+        return RuntimeError(where)
+
+    def _post(self, route: str, body: dict[str, Any] | None = None, retries: int = RETRIES,
+              params: dict[str, Any] | None = None) -> httpx.Response:
+        return self._send("POST", route, body or {}, retries, params=params)
+
+    def _send(self, method: str, route: str, body: dict[str, Any] | None, retries: int = RETRIES,
+              timeout: float | None = None, params: dict[str, Any] | None = None) -> httpx.Response:
+        for attempt in range(retries):
+            try:
+                response = self._client.request(method, route, json=body, params=params,
+                                                timeout=timeout or self.timeout_s)
+                break
+            except httpx.TransportError as e:  # not reachable, or no answer within the timeout
+                if attempt == retries - 1:
+                    raise self._failure(f"{method} {route}", f"{type(e).__name__}: {e}") from None
+                time.sleep(0.5 * 2**attempt)
+        if response.status_code != 200:
+            raise self._failure(f"{method} {route}", f"HTTP {response.status_code}: {response.text.strip()[:300]}")
+        return response
+
+    def check_health(self) -> None:
+        """One token through the scheduler (/health_generate); raises naming the URL when it is down."""
+        self._send("GET", "/health_generate", None, timeout=min(self.timeout_s, 60.0))
+
+    def _async_client(self) -> httpx.AsyncClient:
+        """One client per event loop: each rollout runs in its own asyncio.run."""
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async[0] is not loop:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            self._async = (loop, httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits))
+        return self._async[1]
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
+        if not token_ids:
+            raise ValueError("generate needs at least one prompt token")
+        version = self.weight_version
+        body = {"input_ids": list(token_ids), "sampling_params": sampling_dict(sampling), "return_logprob": True}
+        for attempt in range(RETRIES):
+            try:
+                response = await self._async_client().post("/generate", json=body)
+                break
+            except httpx.TransportError as e:
+                if attempt == RETRIES - 1:
+                    raise self._failure("POST /generate", f"{type(e).__name__}: {e}") from None
+                await asyncio.sleep(0.5 * 2**attempt)
+        if response.status_code != 200:
+            raise self._failure("POST /generate", f"HTTP {response.status_code}: {response.text.strip()[:300]}")
+        out = response.json()
+        completion = to_completion(out, version)
+        meta = out["meta_info"]
+        for key, value in (("requests", 1), ("generated_tokens", len(completion.token_ids)),
+                           ("prompt_tokens", meta.get("prompt_tokens") or 0),
+                           ("cached_tokens", meta.get("cached_tokens") or 0)):
+            self.stats[key] += int(value)
+        return completion
+
+    def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        check_score_args(token_ids, start, temperature)
+        out = self._post("/generate", {"input_ids": list(token_ids), "sampling_params": {"max_new_tokens": 0},
+                                       "return_logprob": True, "logprob_start_len": start - 1}).json()
+        return prompt_logprobs(out, token_ids, start)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       flush_cache: bool = True) -> None:
+        buckets = weight_buckets(named_tensors, self.update_bucket_bytes)
+        first = next(buckets, None)
+        if first is not None:
+            buckets = itertools.chain([first], buckets)
+            loopback = urlparse(self.url).hostname in LOOPBACK
+            if self.weight_transfer == "disk" or (self.weight_transfer == "auto" and loopback and not first[0][1].is_cuda):
+                self._update_from_disk(buckets)
+            else:
+                for bucket in buckets:
+                    payload = serialize_bucket(bucket, by_handle=loopback and all(t.is_cuda for _, t in bucket))
+                    self._post("/update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp_size,
+                                                               "flush_cache": False})
+        if flush_cache:
+            self.flush_cache()
+        self.weight_version = version
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache once the scheduler is idle (one loop after its last output)."""
+        self._post("/flush_cache", params={"timeout": IDLE_TIMEOUT_S})
+
+    def _update_from_disk(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """One safetensors shard per bucket in a fresh directory, loaded by the server in one call.
+
+        The directory stays until the next update replaces it: SGLang keeps it as its model path.
+        """
+        directory = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
+        seen: set[tuple] = set()  # a tied tensor (one tensor, two names) is written once
+        for i, bucket in enumerate(buckets):
+            key = lambda t: (t.data_ptr(), tuple(t.shape), t.dtype)  # noqa: E731
+            shard = {name: t.contiguous() for name, t in bucket if key(t) not in seen}
+            seen.update(key(t) for _, t in bucket)
+            if shard:
+                save_file(shard, str(directory / f"model-{i:05d}.safetensors"))
+        try:
+            self._post("/update_weights_from_disk", {"model_path": str(directory), "flush_cache": False})
+        finally:
+            if self._weights_dir is not None:
+                shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = directory
+
+    def release_memory(self) -> None:
+        regions = self._regions.to_release()
+        if regions:  # not retried: SGLang refuses to release a region twice
+            self.flush_cache()  # SGLang's scheduler dies on a release before it is idle
+            self._post("/release_memory_occupation", {"tags": regions}, retries=1)
+            self._regions.released.update(regions)
+
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        regions = self._regions.to_resume(tags)
+        if regions:
+            self._post("/resume_memory_occupation", {"tags": regions}, retries=1)
+            self._regions.released.difference_update(regions)
+
+    def close(self) -> None:
+        self._client.close()
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+        if self.process is not None:
+            stop_server(self.process)

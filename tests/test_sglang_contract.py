@@ -1,0 +1,269 @@
+"""The SGLang engine against SGLang's API, without SGLang: every call, keyword and route it uses exists.
+
+SGLang cannot be installed where this suite runs (CI has no GPU and no SGLang), so the engine is
+checked against tests/sglang_api.json, a snapshot of the signatures it needs read from SGLang's
+source by tests/sglang_api.py; when that source (../shared/sglang-cpu, or $SGLANG_CPU) is present,
+the snapshot is checked against it too. The HTTP engine's requests go to an httpx mock transport
+that records them: the process boundary to an SGLang server is what cannot run here. The real
+engine against real SGLang is `make test-sglang` (tests/real_sglang/).
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import io
+import json
+import os
+import pickle
+import socket
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from agentrl.config import SGLangConfig, load_recipe
+from agentrl.errors import ConfigError
+from agentrl.rollout import sglang_server
+from agentrl.rollout.run import build_engine
+from agentrl.rollout.sglang_engine import _SGLANG_REGIONS, ReleasedRegions, sampling_dict, server_args
+from agentrl.rollout.sglang_server import SGLangServerEngine, cli_flags
+from agentrl.types import SamplingParams
+from safetensors.torch import load_file
+from tests.sglang_api import SNAPSHOT, extract
+
+API = json.loads(SNAPSHOT.read_text())
+SOURCE = Path(os.environ.get("SGLANG_CPU", Path(__file__).parents[1] / ".." / "shared" / "sglang-cpu")) / API["source"]
+ENGINE_SOURCE = Path(__file__).parents[1] / "agentrl" / "rollout" / "sglang_engine.py"
+REGENERATE = "update tests/sglang_api.py's lists and run `python tests/sglang_api.py SGLANG-SOURCE.tar.gz`"
+
+
+def test_snapshot_matches_the_sglang_source():
+    if not SOURCE.is_file():
+        pytest.skip(f"no SGLang source at {SOURCE} (set SGLANG_CPU=DIR to check the snapshot against it)")
+    assert extract(SOURCE) == API
+
+
+def engine_calls(owner: str) -> list[tuple[str, list[str | None]]]:
+    """(method, keywords) of every `OWNER.METHOD(...)` call in sglang_engine.py."""
+    calls = []
+    for node in ast.walk(ast.parse(ENGINE_SOURCE.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == owner:
+            calls.append((node.func.attr, [kw.arg for kw in node.keywords]))
+    return calls
+
+
+def test_in_process_engine_calls_exist_with_those_keywords():
+    calls = engine_calls("self._engine")
+    assert {name for name, _ in calls} == {"async_generate", "update_weights_from_tensor",
+                                           "release_memory_occupation", "resume_memory_occupation", "shutdown"}
+    for name, keywords in calls:
+        assert name in API["engine_methods"], f"sglang.Engine.{name} is not in the snapshot: {REGENERATE}"
+        spec = API["engine_methods"][name]
+        assert set(keywords) <= set(spec["params"]), f"sglang.Engine.{name} takes no {set(keywords) - set(spec['params'])}"
+        # Synchronous calls are routed to the engine's loop thread through Engine.loop.run_until_complete.
+        assert spec["async"] if name == "async_generate" else spec["runs_on_self_loop"] or name == "shutdown", name
+    assert API["engine_methods"]["__init__"]["var_kwargs"]  # sglang.Engine(**server_args)
+    # The flush that waits for an idle scheduler is the tokenizer manager's (a coroutine).
+    assert engine_calls("self._engine.tokenizer_manager") == [("flush_cache", ["timeout_s"])]
+    spec = API["tokenizer_manager_methods"]["flush_cache"]
+    assert spec["async"] and "timeout_s" in spec["params"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_server_args_are_sglang_fields_and_flags(device):
+    args = server_args("/models/m", device, "bfloat16", 3, SGLangConfig(max_total_tokens=4096, tp_size=2))
+    assert args["device"] == device[:4] and args.get("base_gpu_id") == (1 if device == "cuda:1" else None)
+    assert set(args) <= set(API["server_args"]), f"not in the snapshot: {set(args) - set(API['server_args'])}; {REGENERATE}"
+    assert args["enable_memory_saver"] is (device != "cpu") and args["skip_tokenizer_init"] is True
+    assert args["attention_backend"] == "torch_native" if device == "cpu" else "attention_backend" not in args
+    for key, value in args.items():  # True becomes a bare flag, which only a bool field takes
+        assert isinstance(value, bool) == (API["server_args"][key] == "bool"), key
+    flags = cli_flags(args)
+    assert flags[:2] == ["--model-path", "/models/m"] and flags[flags.index("--tp-size") + 1] == "2"
+    assert ("--enable-memory-saver" in flags) is (device != "cpu")  # False is left out, True is a bare flag
+    assert flags[flags.index("--skip-tokenizer-init") + 1].startswith("--")
+    named = [f[2:].replace("-", "_") for f in flags if f.startswith("--")]
+    assert set(named) <= set(API["server_args"])
+
+
+def test_extra_args_reach_sglang_unchanged():
+    args = server_args("m", "cuda", "bfloat16", 0, SGLangConfig(extra_args={"context_length": 4096, "log_level": "info"}))
+    assert args["context_length"] == 4096 and args["log_level"] == "info"
+
+
+def test_sampling_keys_are_sglang_sampling_params():
+    params = sampling_dict(SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.9, stop_token_ids=(2, 5)))
+    assert params == {"max_new_tokens": 7, "temperature": 0.0, "top_p": 0.9, "stop_token_ids": [2, 5]}
+    assert set(params) <= set(API["sampling_params"])
+
+
+def test_memory_regions_are_sglang_memory_types_and_resume_in_order():
+    assert {r for regions in _SGLANG_REGIONS.values() for r in regions} == set(API["memory_types"])
+    regions = ReleasedRegions()
+    assert regions.to_resume(None) == []  # nothing released: SGLang would fail on resuming
+    released = regions.to_release()
+    assert released == ["weights", "kv_cache", "cuda_graph"]
+    regions.released.update(released)
+    assert regions.to_release() == []
+    assert regions.to_resume(("weights",)) == ["weights"]
+    assert regions.to_resume(("kv_cache", "weights")) == ["weights", "kv_cache", "cuda_graph"]
+    with pytest.raises(ValueError, match=r"resume_memory: unknown tags \['kv'\]; expected weights, kv_cache"):
+        regions.to_resume(("kv",))
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """The rule of SGLang's SafeUnpickler: only globals from the allowed module prefixes."""
+
+    def find_class(self, module: str, name: str):
+        if not any((module + ".").startswith(p) for p in API["unpickler_allowed_prefixes"]):
+            raise pickle.UnpicklingError(f"SGLang would refuse {module}.{name}")
+        return super().find_class(module, name)
+
+
+class FakeServer:
+    """Answers like SGLang's HTTP server (shapes taken from a real one) and records each request."""
+
+    def __init__(self, failures: int = 0):
+        self.requests: list[tuple[str, str, dict]] = []
+        self.failures = failures  # connection errors before the first answer
+        self.loaded: list[dict[str, dict[str, torch.Tensor]]] = []  # shards of each disk update
+        self.queries: list[dict[str, str]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.failures:
+            self.failures -= 1
+            raise httpx.ConnectError("connection refused", request=request)
+        body = json.loads(request.content) if request.content else {}
+        self.requests.append((request.method, request.url.path, body))
+        self.queries.append(dict(request.url.params))
+        if request.url.path == "/update_weights_from_disk":  # read now: the next update deletes the files
+            self.loaded.append({f.name: load_file(f) for f in sorted(Path(body["model_path"]).iterdir())})
+        if request.url.path != "/generate":
+            return httpx.Response(200, json=None)
+        if body["sampling_params"]["max_new_tokens"] == 0:  # a score request
+            ids = body["input_ids"][body["logprob_start_len"]:]
+            return httpx.Response(200, json={"output_ids": [], "meta_info": {
+                "finish_reason": {"type": "length", "length": 0},
+                "input_token_logprobs": [[None, ids[0], None]] + [[-0.5, t, None] for t in ids[1:]]}})
+        return httpx.Response(200, json={"output_ids": [7, 2], "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "cached_tokens": 2,
+            "output_token_logprobs": [[-0.25, 7, None], [-0.75, 2, None]]}})
+
+
+@pytest.fixture
+def fake_server(monkeypatch):
+    server = FakeServer()
+    transport = httpx.MockTransport(server)
+    monkeypatch.setattr(sglang_server.httpx, "Client", partial(httpx.Client, transport=transport))
+    monkeypatch.setattr(sglang_server.httpx, "AsyncClient", partial(httpx.AsyncClient, transport=transport))
+    return server
+
+
+def check_against_api(method: str, path: str, body: dict, query: dict | None = None) -> None:
+    route = API["routes"][path]
+    assert method in route["methods"], (method, path)
+    assert set(query or {}) <= set(route["params"]), (path, query)
+    if route["body"]:
+        assert set(body) <= set(API["requests"][route["body"]]), f"{path}: {set(body) - set(API['requests'][route['body']])}"
+
+
+async def test_server_engine_requests_are_sglang_requests(fake_server):
+    import asyncio
+
+    engine = SGLangServerEngine("http://127.0.0.1:1", {"tp_size": 2}, update_bucket_bytes=48, weight_transfer="tensor")
+    completion = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(2,)))
+    assert (completion.token_ids, completion.logprobs, completion.finish) == ([7, 2], [-0.25, -0.75], "stop")
+    assert engine.stats == {"requests": 1, "generated_tokens": 2, "prompt_tokens": 3, "cached_tokens": 2}
+    assert await asyncio.to_thread(engine.score, [1, 2, 3, 4], 2) == [-0.5, -0.5]
+    weights = [("a", torch.arange(6.0)), ("b", torch.ones(2, 3)), ("c", torch.zeros(4))]  # 24, 24, 16 bytes
+    engine.release_memory()
+    engine.resume_memory(("weights",))
+    engine.update_weights(iter(weights), version=3)
+    engine.resume_memory(("kv_cache",))
+    engine.resume_memory(("kv_cache",))  # nothing left to resume: no request
+    assert engine.weight_version == 3
+
+    paths = [(m, p) for m, p, _ in fake_server.requests]
+    assert paths == [("GET", "/health_generate"), ("POST", "/generate"), ("POST", "/generate"),
+                     ("POST", "/flush_cache"), ("POST", "/release_memory_occupation"),
+                     ("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_tensor"),
+                     ("POST", "/update_weights_from_tensor"), ("POST", "/flush_cache"),
+                     ("POST", "/resume_memory_occupation")]
+    for (method, path, body), query in zip(fake_server.requests, fake_server.queries):
+        check_against_api(method, path, body, query)
+        if "sampling_params" in body:
+            assert set(body["sampling_params"]) <= set(API["sampling_params"])
+    # Every flush (also the one before a release) waits for the scheduler to be idle.
+    assert [q for (_, p, _), q in zip(fake_server.requests, fake_server.queries) if p == "/flush_cache"] == \
+        [{"timeout": "60.0"}] * 2
+    tags = [body["tags"] for _, path, body in fake_server.requests if "memory" in path]
+    assert tags == [["weights", "kv_cache", "cuda_graph"], ["weights"], ["kv_cache", "cuda_graph"]]
+    # Two buckets of at most 48 bytes, one payload per tensor-parallel rank, each a pickle SGLang accepts.
+    updates = [body for _, path, body in fake_server.requests if path == "/update_weights_from_tensor"]
+    assert [u["flush_cache"] for u in updates] == [False, False]
+    received = []
+    for update in updates:
+        first, second = update["serialized_named_tensors"]
+        assert first == second
+        received += RestrictedUnpickler(io.BytesIO(base64.b64decode(first))).load()
+    assert [name for name, _ in received] == ["a", "b", "c"]
+    for (_, sent), (_, got) in zip(weights, received):
+        assert torch.equal(sent, got)
+
+
+def test_cpu_weights_reach_a_loopback_server_through_safetensors_shards(fake_server):
+    engine = SGLangServerEngine("http://127.0.0.1:1", {}, update_bucket_bytes=40)
+    embed = torch.arange(6.0).reshape(2, 3)
+    weights = [("embed", embed), ("norm", torch.ones(4)), ("lm_head", embed), ("mlp", torch.full((5,), 2.0))]
+    engine.update_weights(iter(weights), version=1, flush_cache=False)
+    first_dir = Path(fake_server.requests[-1][2]["model_path"])
+    engine.update_weights(iter(weights[:1]), version=2)
+    assert [p for _, p, _ in fake_server.requests] == ["/health_generate", "/update_weights_from_disk",
+                                                       "/update_weights_from_disk", "/flush_cache"]
+    for method, path, body in fake_server.requests:
+        check_against_api(method, path, body)
+    assert fake_server.requests[1][2]["flush_cache"] is False
+    # Buckets of at most 40 bytes become shards; the tied lm_head (embed's storage) is written once.
+    assert [{k: v.tolist() for k, v in shard.items()} for shard in fake_server.loaded[0].values()] == [
+        {"embed": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "norm": [1.0] * 4}, {"mlp": [2.0] * 5}]
+    assert list(fake_server.loaded[0]) == ["model-00000.safetensors", "model-00002.safetensors"]
+    assert not first_dir.exists() and engine._weights_dir.is_dir()  # the server's current model path stays
+    engine.close()
+    assert not engine._weights_dir.exists() and engine.weight_version == 2
+
+
+def test_server_engine_retries_then_names_url_route_and_cause(monkeypatch):
+    server = FakeServer(failures=2)
+    monkeypatch.setattr(sglang_server.httpx, "Client", partial(httpx.Client, transport=httpx.MockTransport(server)))
+    monkeypatch.setattr(sglang_server.time, "sleep", lambda s: None)
+    engine = SGLangServerEngine("http://127.0.0.1:9/", {})  # the health check only answers on its third try
+    engine.update_weights([("w", torch.ones(1))], version=1)  # retried posts reach the server
+    assert [p for _, p, _ in server.requests] == ["/health_generate", "/update_weights_from_disk", "/flush_cache"]
+    server.failures = 3
+    with pytest.raises(RuntimeError, match=r"^SGLang server at http://127.0.0.1:9: POST /flush_cache failed "
+                                           r"\(ConnectError: connection refused\)$"):
+        engine.update_weights([], version=2)
+    assert engine.weight_version == 1
+
+
+def test_health_check_on_a_port_nothing_listens_on_fails_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(RuntimeError, match=rf"^SGLang server at http://127.0.0.1:{port}: GET /health_generate "
+                                           r"failed \(ConnectError: "):
+        SGLangServerEngine(f"http://127.0.0.1:{port}", {}, timeout_s=5.0)
+
+
+def test_engine_name_picks_the_engine_and_sglang_is_imported_only_for_it(tiny_model_dir, monkeypatch):
+    config = load_recipe(None, [f"model.path={tiny_model_dir}"])
+    assert type(build_engine(config, pad_token_id=2)).__name__ == "HFEngine"
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "sglang" else object())
+    sglang_config = load_recipe(None, [f"model.path={tiny_model_dir}", "engine.name=sglang"])
+    with pytest.raises(ConfigError, match=r"^engine.name 'sglang': SGLang is not installed here"):
+        build_engine(sglang_config, pad_token_id=2)
+    with pytest.raises(ConfigError, match=r"engine.name: Input should be 'hf' or 'sglang' \(got 'vllm'\)"):
+        load_recipe(None, ["engine.name=vllm"])
