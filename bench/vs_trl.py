@@ -1,8 +1,9 @@
 """Seconds per GRPO step: agentrl against TRL's GRPOTrainer on the same single-turn workload (CPU).
 
-Workload, identical on both sides: SmolLM2-135M-Instruct in float32, the same generated arithmetic
-prompts rendered by the same chat template, 4 prompts × 4 completions per step, at most 32 new
-tokens at temperature 1, the same exact-answer reward, no KL term (beta 0), one AdamW step per batch
+Workload, identical on both sides: SmolLM2-135M-Instruct, full fine-tuning, in float32 (or both in
+bf16 with --dtype bfloat16), the same generated arithmetic prompts rendered by the same chat
+template, --prompts × --group completions per step (default 4 × 4), at most --max-new-tokens new
+tokens (default 32) at temperature 1, the same exact-answer reward, no KL term (beta 0), one AdamW step per batch
 (lr 1e-6, grad clip 1.0), clip 0.2, token-mean loss. A step is generation + logprobs + update
 (+ weight sync into the engine, for agentrl). The first step of each side is a warm-up and is not
 counted.
@@ -11,24 +12,29 @@ TRL runs in its own virtual environment (.venv-trl, created on first use with a 
 pins never touch the project's; this script re-runs itself there with --trl-worker. agentrl runs
 in this interpreter through its real driver (agentrl.train.train).
 
-Run: python bench/vs_trl.py [--steps 8]
+Prints the machine (CPU, its amx_bf16/avx512_bf16 flags, dtype) and, per side, where a step's
+time goes: agentrl's rollout / logprobs / update / sync from its metrics; TRL's generation and
+scoring (`_generate_and_score_completions`, which includes its logprob passes) against the rest of
+the step (loss, backward, optimizer).
+
+Run: python bench/vs_trl.py [--steps 8] [--prompts 8 --group 4 --max-new-tokens 64] [--dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from machine import machine_line  # bench/machine.py: python puts the script's directory on sys.path
+
 TRL_PIN = "trl==1.16.0"
 TORCH_PIN = "torch==2.13.0"
-PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, LR = 4, 4, 32, 1e-6
+LR = 1e-6
 SYSTEM = "Solve the problem and end with the final number."
 
 
@@ -65,6 +71,17 @@ def trl_worker(workload_path: str) -> None:
             scores.append(float(bool(numbers) and numbers[-1].replace(",", "").rstrip(".") == truth))
         return scores
 
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Adds up the seconds spent generating and scoring (rollout + logprobs) per step."""
+        generate_s: list[float] = []
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(*args, **kwargs)
+            finally:
+                self.generate_s.append(time.perf_counter() - started)
+
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.times, self.started = [], 0.0
@@ -76,46 +93,55 @@ def trl_worker(workload_path: str) -> None:
             self.times.append(time.perf_counter() - self.started)
 
     args = GRPOConfig(
-        output_dir=w["output_dir"], use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
-        logging_steps=1, max_steps=w["steps"], per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-        gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=MAX_NEW_TOKENS,
+        output_dir=w["output_dir"], use_cpu=True, bf16=w["dtype"] == "bfloat16", fp16=False, report_to="none", save_strategy="no",
+        logging_steps=1, max_steps=w["steps"], per_device_train_batch_size=w["prompts_per_step"] * w["group"],
+        gradient_accumulation_steps=1, num_generations=w["group"], max_completion_length=w["max_new_tokens"],
         temperature=1.0, top_p=1.0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, num_iterations=1, loss_type="dapo",
         shuffle_dataset=False, seed=0, dataloader_num_workers=0, disable_tqdm=True)
     model = AutoModelForCausalLM.from_pretrained(w["model"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(w["model"], padding_side="left")
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=Dataset.from_list(rows),
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    print("TRL_RESULT " + json.dumps({"step_s": timer.times, "mean_completion_tokens": lengths}), flush=True)
+    print("TRL_RESULT " + json.dumps({"step_s": timer.times, "mean_completion_tokens": lengths,
+                                      "generate_s": TimedGRPOTrainer.generate_s}), flush=True)
 
 
 # ------------------------------------------------------------------------------------------ agentrl side
-def run_agentrl(model_path: str, steps: int, output_dir: Path) -> dict:
+def run_agentrl(model_path: str, steps: int, output_dir: Path, prompts: int, group: int, max_new_tokens: int,
+                dtype: str) -> dict:
     from agentrl.config import RecipeConfig
     from agentrl.train import train
 
     config = RecipeConfig.model_validate({
         "name": "vs_trl", "output_dir": str(output_dir), "seed": 0,
-        "model": {"path": model_path, "dtype": "float32"},
-        "data": {"source": "arithmetic", "num_tasks": PROMPTS_PER_STEP * steps},
-        "rollout": {"tool_configs": [], "system_prompt": SYSTEM, "group_size": GROUP, "max_turns": 1,
-                    "max_new_tokens_per_turn": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0},
+        "model": {"path": model_path, "dtype": dtype},
+        "data": {"source": "arithmetic", "num_tasks": prompts * steps},
+        "rollout": {"tool_configs": [], "system_prompt": SYSTEM, "group_size": group, "max_turns": 1,
+                    "max_new_tokens_per_turn": max_new_tokens, "temperature": 1.0, "top_p": 1.0},
         "algorithm": {"advantage": "grpo", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0,
                       "aggregation": "token-mean"},
-        "trainer": {"steps": steps, "tasks_per_step": PROMPTS_PER_STEP, "lr": LR, "grad_clip": 1.0,
+        "trainer": {"steps": steps, "tasks_per_step": prompts, "lr": LR, "grad_clip": 1.0, "dtype": dtype,
                     "micro_batch_tokens": 8192}})
     history = train(config)
     step_s = [sum(h[k] for k in ("time_rollout_s", "time_logprobs_s", "time_update_s", "time_sync_s"))
               for h in history]
-    return {"step_s": step_s, "mean_completion_tokens": [h["response_tokens"] for h in history]}
+    parts = {k.removeprefix("time_").removesuffix("_s"): [h[k] for h in history]
+             for k in ("time_rollout_s", "time_logprobs_s", "time_update_s", "time_sync_s")}
+    return {"step_s": step_s, "mean_completion_tokens": [h["response_tokens"] for h in history], "parts": parts}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="steps per side; the first is a warm-up")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--group", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both sides: float32, or bf16 (TRL's bf16 flag, agentrl's engine and trainer dtype)")
     parser.add_argument("--trl-venv", default=".venv-trl")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -131,14 +157,17 @@ def main() -> None:
     model_path = str(provision_builtin("smollm2-135m-instruct"))
     out = Path("runs/bench/vs_trl")
     out.mkdir(parents=True, exist_ok=True)
-    tasks = arithmetic_tasks(PROMPTS_PER_STEP * args.steps, seed=0)  # what agentrl's data section generates
-    workload = {"model": model_path, "steps": args.steps, "output_dir": str(out / "trl"),
+    tasks = arithmetic_tasks(args.prompts * args.steps, seed=0)  # what agentrl's data section generates
+    workload = {"model": model_path, "steps": args.steps, "output_dir": str(out / "trl"), "dtype": args.dtype,
+                "prompts_per_step": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
                 "prompts": [t.prompt for t in tasks], "answers": [t.answer.removeprefix("#### ") for t in tasks]}
     (out / "workload.json").write_text(json.dumps(workload))
 
-    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads "
-          f"{torch.get_num_threads()}; {args.steps} steps per side, first is warm-up", flush=True)
-    ours = run_agentrl(model_path, args.steps, out / "agentrl")
+    print(machine_line(str(torch.get_num_threads()), args.dtype), flush=True)
+    print(f"{args.prompts} prompts x {args.group} completions, up to {args.max_new_tokens} new tokens; "
+          f"{args.steps} steps per side, the first is a warm-up", flush=True)
+    ours = run_agentrl(model_path, args.steps, out / "agentrl", args.prompts, args.group, args.max_new_tokens,
+                       args.dtype)
     done = subprocess.run([str(python), __file__, "--trl-worker", str(out / "workload.json")],
                           capture_output=True, text=True)
     line = next((l for l in done.stdout.splitlines() if l.startswith("TRL_RESULT ")), None)
@@ -153,6 +182,11 @@ def main() -> None:
         print(f"{name:<8} {statistics.mean(timed):6.2f} s/step (median {statistics.median(timed):.2f}, "
               f"steps {', '.join(f'{s:.1f}' for s in result['step_s'])}); "
               f"mean completion {rows[-1][2]:.1f} tokens")
+    mean = lambda values: statistics.mean(values[1:])  # noqa: E731  warm-up step left out
+    print("agentrl per step: " + ", ".join(f"{k} {mean(v):.2f} s" for k, v in ours["parts"].items()))
+    if len(theirs["generate_s"]) == len(theirs["step_s"]):
+        generate, total = mean(theirs["generate_s"]), mean(theirs["step_s"])
+        print(f"trl per step: generate+score {generate:.2f} s, loss+backward+optimizer {total - generate:.2f} s")
     print(f"ratio trl/agentrl seconds per step: {rows[1][1] / rows[0][1]:.2f}")
 
 
