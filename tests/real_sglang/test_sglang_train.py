@@ -40,7 +40,8 @@ def test_grpo_steps_through_the_cli_with_the_sglang_engine(tmp_path):
         capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and [r["weight_version"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2] and [r["weight_version"] for r in rows] == [0, 1]  # sampled with
+    assert [r["synced_version"] for r in rows] == [1, 2]  # and synced after the step
     assert 0 < rows[0]["reward_mean"] < 1 and rows[0]["grad_norm"] > 0  # step 1 moved the weights
     for row in rows:
         assert row["rollout_logprob_diff"] < 1e-4, row["rollout_logprob_diff"]
