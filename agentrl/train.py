@@ -19,6 +19,7 @@ import torch
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig, check_training, to_yaml
 from agentrl.errors import RunFailed
+from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
 from agentrl.rollout.collect import summarize, write_jsonl
 from agentrl.rollout.run import load_driver_parts
@@ -120,6 +121,9 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
         done, history = roles.load_checkpoint(checkpoint)
         roles.sync_weights(version=done)
         print(f"resumed from {checkpoint} after step {done}")
+    # The dtypes `auto` chose (the probe is cached per process; Ray actors probe the same machine).
+    dtypes = {"engine_bf16": float(choose_dtype(config.model.dtype, config.engine.device).dtype == "bfloat16"),
+              "trainer_bf16": float(choose_dtype(t.dtype, t.device).dtype == "bfloat16")}
     with RunLogger(run_dir, config.model_dump(mode="json"), t.steps, t.wandb_project, start_step=done) as logger:
         for step in range(done + 1, t.steps + 1):
             tasks = [pool[i % len(pool)] for i in range((step - 1) * t.tasks_per_step, step * t.tasks_per_step)]
@@ -140,6 +144,7 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
             times["time_sync_s"] = time.perf_counter() - clock
 
             record = step_record(step, trajectories, rollout, update, times, roles.weight_version())
+            record.update(dtypes)
             history.append(record)
             logger.log(step, record)
             if t.save_every and step % t.save_every == 0:

@@ -170,7 +170,8 @@ REQUIRED_METRICS = {
     "reward_mean", "reward_std", "accuracy", "tool_call_rate", "parse_error_rate", "mean_turns", "response_tokens",
     "loss", "clip_fraction", "approx_kl", "kl_ref", "entropy", "grad_norm", "lr", "time_rollout_s", "time_logprobs_s",
     "time_update_s", "time_sync_s", "tokens_per_s", "weight_version", "rollout_logprob_diff", "engine_k3_mean",
-    "engine_k3_max", "episodes_failed", "mask_coverage", "finish_stop", "finish_length", "tool_truncations"}
+    "engine_k3_max", "episodes_failed", "mask_coverage", "finish_stop", "finish_length", "tool_truncations",
+    "engine_bf16", "trainer_bf16"}
 
 
 def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
@@ -194,6 +195,7 @@ def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
         assert 0 < row["reward_mean"] < 1 and row["grad_norm"] > 0
         # The engine sampled step 2 with the weights synced after step 1: logprobs agree to fp32 noise.
         assert row["rollout_logprob_diff"] < 1e-4 and 0 <= row["engine_k3_mean"] <= row["engine_k3_max"] < 1e-8
+        assert row["engine_bf16"] == row["trainer_bf16"] == 0.0  # the recipe's float32 is what ran
         assert 0 < row["mask_coverage"] < 1 and row["episodes_failed"] == 0
     assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl_ref"] > 1e-6
     assert "train" in done.stdout and f"saved {out / 'final'}" in done.stdout
