@@ -84,24 +84,6 @@ def test_a_batch_of_misses_partial_and_full_hits_matches_no_reuse(tiny_model):
     assert reuse.stats["prefill_tokens"] - before["prefill_tokens"] == 3 + 2 + 1 + 3
 
 
-def test_a_prompt_several_requests_share_is_prefilled_once(tiny_model):
-    """A group's first turn: the shared prompt goes through the model once, each request then
-    feeds only its last token, and the output is what prefilling each one alone gives."""
-    reuse, plain = HFEngine(tiny_model, pad_token_id=2), HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0)
-    shared, other = [1, 504, 3459, 30, 2, 9690, 28, 30, 253], [7, 33, 44, 45]
-    prompts = [shared, other, shared, shared]
-    sampling = [SamplingParams(max_new_tokens=6, temperature=1.0)] * 4
-    got = reuse.generate_batch(prompts, sampling)
-    want = plain.generate_batch(prompts, sampling)  # the same seed: the same draws if the logits agree
-    assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    for a, b in zip(got, want):
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
-    assert reuse.stats["shared_prefill_tokens"] == len(shared) - 1 and plain.stats["shared_prefill_tokens"] == 0
-    assert reuse.stats["cached_tokens"] == 3 * (len(shared) - 1)
-    assert reuse.stats["prefill_tokens"] == 3 * 1 + len(other)
-    assert plain.stats["prefill_tokens"] == 3 * len(shared) + len(other)
-
-
 class GoOn:
     """A user who says 'Go on.' after each of the first two assistant turns and then ends."""
 

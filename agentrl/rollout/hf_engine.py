@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
@@ -89,10 +88,7 @@ class HFEngine:
         self.weight_version = 0
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
-                      "joined_requests": 0, "kv_cache_bytes": 0, "kv_cache_evictions": 0,
-                      # prefill_tokens + cached_tokens: what the requests asked for; shared_prefill_tokens:
-                      # the prompts prefilled once for several requests (_share_prompts)
-                      "shared_prefill_tokens": 0}
+                      "joined_requests": 0, "kv_cache_bytes": 0, "kv_cache_evictions": 0}
         # 0 bytes (or a model with sliding-window or linear-attention layers) turns prefix reuse off.
         self.prefix_cache = PrefixKVCache(kv_cache_bytes if supports_prefix_reuse(model.config) else 0)
         self._pending: list[_Request] = []
@@ -196,7 +192,6 @@ class HFEngine:
 
     def _prefill(self, batch: RunningBatch, rows: list[Row]) -> None:
         """New rows' uncached tokens in one forward pass, their first token sampled, then they join."""
-        self._share_prompts(rows)
         for row in rows:
             row.hit = self.prefix_cache.lookup(row.prompt)
         prefill = batched_prefill([r.prompt for r in rows], [r.hit for r in rows], self.pad_token_id, self.device,
@@ -209,28 +204,6 @@ class HFEngine:
         self.stats["requests"] += len(rows)
         self.stats["prefill_tokens"] += sum(prefill.new)
         self.stats["cached_tokens"] += sum(prefill.cached)
-
-    def _share_prompts(self, rows: list[Row]) -> None:
-        """Rows that arrive together with the same prompt (a group's first turn) would each prefill
-        all of it: prefill it once into the prefix cache instead, so each row feeds only its last
-        token. For a group of 8 that is most of a rollout's prompt work."""
-        if self.prefix_cache.budget_bytes <= 0:
-            return
-        for prompt, count in Counter(tuple(row.prompt) for row in rows).items():
-            if count < 2 or len(prompt) < 3:
-                continue
-            hit = self.prefix_cache.lookup(list(prompt))  # reuses at most len(prompt) - 1 tokens
-            shared = list(prompt[:-1])
-            if hit.length >= len(shared):
-                continue
-            prefill = batched_prefill([shared], [hit], self.pad_token_id, self.device, self.model.config)
-            out = self.model(input_ids=prefill.ids_BN, attention_mask=prefill.mask_BT,
-                             position_ids=prefill.positions_BN, past_key_values=prefill.past, use_cache=True,
-                             logits_to_keep=1)
-            # One row, no padding: every column of its cache belongs to `shared`, in order.
-            self.prefix_cache.store(shared, [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers],
-                                    replaces=hit.key if hit.covers_entry else None)
-            self.stats["shared_prefill_tokens"] += prefill.new[0]
 
     def _step(self, batch: RunningBatch) -> None:
         """One token for every running row."""
