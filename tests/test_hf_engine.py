@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -131,22 +130,3 @@ def test_a_failed_decode_reaches_its_caller_and_the_engine_keeps_serving(tiny_mo
         return await engine.generate(PROMPTS[0], greedy(3))
 
     assert len(asyncio.run(run()).token_ids) == 3
-
-
-def test_decoding_runs_on_a_thread_the_process_waits_for(tiny_model):
-    """Rollouts run with daemon default-executor threads (so a hung tool cannot keep the process
-    alive); the decode step must not be on one, or a process that ends right after its last
-    episode can exit while torch is still in that step, and abort."""
-    from agentrl.tools.threads import run_with_daemon_threads
-
-    engine = HFEngine(tiny_model, pad_token_id=2)
-    daemon_flags = []
-    serve_one = engine._serve_one
-
-    def watched() -> bool:
-        daemon_flags.append(threading.current_thread().daemon)
-        return serve_one()
-
-    engine._serve_one = watched
-    run_with_daemon_threads(engine.generate(PROMPTS[0], greedy(4)))
-    assert daemon_flags and not any(daemon_flags)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -95,10 +94,6 @@ class HFEngine:
         self._pending_lock = threading.Lock()  # the event loop adds requests, the decode thread takes them
         self._serving = False  # a decode thread is running (guarded by _pending_lock)
         self._server: asyncio.Future | None = None
-        # Its own thread, not the loop's default executor: rollouts run with daemon default threads
-        # (tools/threads.py), and a decode step still in torch when the process exits aborts it.
-        # A ThreadPoolExecutor's threads are joined at exit, and a decode step always ends.
-        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine-decode")
         self._lock = threading.Lock()  # decoding and weight updates never overlap
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
@@ -110,7 +105,7 @@ class HFEngine:
             self._pending.append(request)
             start, self._serving = not self._serving, True
         if start:
-            self._server = asyncio.get_running_loop().run_in_executor(self._decoder, self._serve)
+            self._server = asyncio.ensure_future(asyncio.to_thread(self._serve))
         return await request.future
 
     def _serve(self) -> None:
