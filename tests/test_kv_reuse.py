@@ -207,3 +207,17 @@ def test_sliding_window_models_turn_reuse_off():
     assert supports_prefix_reuse(make_tiny_llama().config)
     assert not supports_prefix_reuse(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2, sliding_window=16))
+
+
+def test_the_rollout_returns_only_after_the_decode_thread_stopped(stopping_model, tokenizer):
+    """The decode thread idles `batch_wait_s` after its last result before it stops; a rollout that
+    returned meanwhile would let the process exit with that thread inside torch."""
+    from agentrl.rollout.collect import run_episodes as run_episodes_sync
+
+    engine = HFEngine(stopping_model, pad_token_id=tokenizer.pad_token_id, batch_wait_s=0.3)
+    settings = EpisodeSettings(max_turns=1, max_new_tokens_per_turn=4, temperature=0.0)
+    runner = EpisodeRunner(engine, tokenizer, [calculator], parse_hermes, settings)
+    [traj] = run_episodes_sync(runner, arithmetic_tasks(1, seed=0), 1, 4)
+    assert traj.metrics["turns"] == 1
+    assert not engine.serving
+    assert engine.wait_idle(timeout_s=0)

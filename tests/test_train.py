@@ -393,6 +393,48 @@ def test_micro_batches_give_the_gradients_of_one_batch(aggregation):
     assert any(g.abs().sum() > 0 for g in grads[1].values())
 
 
+def test_a_groups_shared_prompt_runs_once_and_gives_the_full_rows_logprobs_and_gradients():
+    """Rows that share a 20-token prompt: the batch runs the prompt once (shared_prefix = 19, the
+    prompt minus its last token, whose hidden state predicts the first sampled one) and gives the
+    same logprobs and gradients as running every row in full, padding and a masked tool span included."""
+    from agentrl.trainer.logprobs import pad_sequences
+
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 49000, (20,), generator=generator).tolist()
+    sequences = [prompt + torch.randint(3, 49000, (n,), generator=generator).tolist() for n in (5, 11, 8)]
+    masks = [[0] * 20 + [1] * (len(s) - 20) for s in sequences]
+    masks[1][24:27] = [0, 0, 0]  # a tool result between two sampled spans
+    shared = pad_sequences(sequences, masks, pad_id=2, share_prefix=True)
+    full = pad_sequences(sequences, masks, pad_id=2)
+    assert (shared.shared_prefix, full.shared_prefix) == (19, 0)
+    assert pad_sequences(sequences[:1], masks[:1], pad_id=2, share_prefix=True).shared_prefix == 0  # one row
+
+    results = []
+    for batch in (full, shared):
+        model = make_tiny_llama()
+        logprobs_BT, entropy_BT = token_logprobs(model, batch, temperature=0.8)
+        ((logprobs_BT * batch.mask_BT).sum() + entropy_BT.sum() * 0.1).backward()
+        results.append((logprobs_BT.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
+    assert (results[1][0] * (1 - shared.mask_BT) == 0).all()
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_micro_batches_keep_a_prompts_rows_together_and_count_the_prompt_once():
+    from agentrl.trainer.logprobs import pack_micro_batches, prompt_groups
+
+    a, b = [5] * 30, [6] * 30  # two prompts of 30 tokens, each shared by three rows
+    sequences = [a + [7] * 10, b + [8] * 20, a + [9] * 12, [4] * 25, b + [8] * 5, a + [7] * 10, b + [9] * 7]
+    masks = [[0] * 30 + [1] * (len(s) - 30) if s[0] != 4 else [0] * 5 + [1] * 20 for s in sequences]
+    groups = prompt_groups(sequences, masks)
+    assert groups == [(0, 29), (1, 29), (0, 29), (2, 0), (1, 29), (0, 29), (1, 29)]
+    lengths = [len(s) for s in sequences]
+    # Prompt a's rows cost 29 + 3 × (42 - 29) = 68 tokens together, not 3 × 42 = 126.
+    assert pack_micro_batches(lengths, 70, groups) == [[0, 5, 2], [4, 6], [1], [3]]
+    assert pack_micro_batches(lengths, 70) == [[3, 4], [6], [0], [5], [2], [1]]  # no groups: rows × longest
+
+
 def test_lora_trains_adapters_only_and_the_engine_gets_merged_weights(tmp_path, tokenizer):
     from agentrl.config import LoraSettings
     from agentrl.models import load_model

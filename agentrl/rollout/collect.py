@@ -33,8 +33,13 @@ async def collect(runner: EpisodeRunner, tasks: list[Task], group_size: int, max
 
 
 def run_episodes(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_concurrent: int) -> list[Trajectory]:
-    """`collect` from synchronous code (the CLI commands and the training driver)."""
-    return run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent))
+    """`collect` from synchronous code (the CLI commands and the training driver). Returns once the
+    engine's decode thread, if it has one, has stopped too."""
+    trajectories = run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent))
+    wait_idle = getattr(runner.engine, "wait_idle", None)
+    if wait_idle is not None:
+        wait_idle()
+    return trajectories
 
 
 def write_jsonl(trajectories: list[Trajectory], path: str | Path, step: int | None = None) -> None:

@@ -93,6 +93,7 @@ class HFEngine:
         self._pending: list[_Request] = []
         self._pending_lock = threading.Lock()  # the event loop adds requests, the decode thread takes them
         self._serving = False  # a decode thread is running (guarded by _pending_lock)
+        self._stopped = threading.Condition(self._pending_lock)  # notified when the decode thread ends
         self._server: asyncio.Future | None = None
         self._lock = threading.Lock()  # decoding and weight updates never overlap
 
@@ -116,6 +117,20 @@ class HFEngine:
         finally:  # also when something unforeseen broke: the next request starts a new thread
             with self._pending_lock:
                 self._serving = False
+                self._stopped.notify_all()
+
+    @property
+    def serving(self) -> bool:
+        """Whether a decode thread is running (it stops once no request waits)."""
+        with self._pending_lock:
+            return self._serving
+
+    def wait_idle(self, timeout_s: float | None = 30.0) -> bool:
+        """Block until the decode thread has stopped; False on timeout. The rollout calls this before
+        returning: the thread runs on a daemon executor, and a process that exits while it is still
+        inside torch (tidying the batch after its last result) can abort in torch's C++ teardown."""
+        with self._stopped:
+            return self._stopped.wait_for(lambda: not self._serving, timeout_s)
 
     def _serve_one(self) -> bool:
         """One running batch, from the oldest waiting request's settings; False when none waits."""

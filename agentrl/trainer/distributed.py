@@ -46,11 +46,16 @@ class Ranks:
             load[lightest] += lengths[i]
         return [sorted(part) for part in parts]
 
-    def micro_batch_plan(self, indices: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+    def micro_batch_plan(self, indices: list[int], lengths: list[int], token_budget: int,
+                         groups: list[tuple[int, int]] | None = None) -> list[list[int]]:
         """This rank's micro-batches of `indices`, padded with empty ones (dummies) up to the most any
-        rank has, so that all ranks make the same number of passes."""
-        plans = [[[part[j] for j in micro] for micro in pack_micro_batches([lengths[i] for i in part], token_budget)]
-                 for part in self.shards(indices, lengths)]
+        rank has, so that all ranks make the same number of passes. `lengths` and `groups` (rows
+        sharing a prompt, see logprobs.prompt_groups) are indexed like the whole batch."""
+        def pack(part: list[int]) -> list[list[int]]:
+            micro = pack_micro_batches([lengths[i] for i in part], token_budget,
+                                       [groups[i] for i in part] if groups is not None else None)
+            return [[part[j] for j in m] for m in micro]
+        plans = [pack(part) for part in self.shards(indices, lengths)]
         most = max(len(plan) for plan in plans)
         mine = plans[self.rank]
         return mine + [[] for _ in range(most - len(mine))]

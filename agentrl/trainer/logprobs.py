@@ -9,6 +9,13 @@ a large part of an 8 GB peak).
 Results are aligned with token positions: out[b, t] = log p(token t | tokens < t), 0 where not
 wanted, exactly as Trajectory.logprobs stores the engine's values. Models whose logits get extra
 processing after the output head (soft-capping, scaling) are not covered by this shortcut.
+
+A GRPO group's episodes start with the same prompt, often most of each sequence (the quickstart:
+~250 of ~330 tokens). Micro-batches keep a group's rows together (`prompt_groups`), and a batch
+whose rows share a prefix runs the decoder over that prefix once and over each row's remainder
+against the prefix's KV cache, repeated along the batch. The result is the same function (the
+prefix's keys and values are the ones every row would compute; their gradients sum over the rows),
+so only float rounding differs from running every row in full.
 """
 
 from __future__ import annotations
@@ -27,13 +34,33 @@ class PaddedBatch:
     ids_BT: torch.Tensor
     attention_BT: torch.Tensor
     mask_BT: torch.Tensor  # float, 1 on trainable tokens
+    shared_prefix: int = 0  # leading tokens identical in every row, run through the decoder once
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask_BT.sum().item())
 
 
-def pad_sequences(sequences: list[list[int]], masks: list[list[int]], pad_id: int, device: str = "cpu") -> PaddedBatch:
+MIN_SHARED_PREFIX = 16  # below this, a second decoder call costs more than it saves
+
+
+def shareable_prefix(sequences: list[list[int]], masks: list[list[int]]) -> int:
+    """Length of the prefix every row has in common and whose hidden states nothing needs: it ends
+    before the last position ahead of each row's first trainable token (that position's hidden
+    state predicts it) and leaves every row at least one token of its own; 0 when not worth it."""
+    if len(sequences) < 2:
+        return 0
+    limit = min(min(len(s) for s in sequences) - 1,
+                min(next((t for t, m in enumerate(mask) if m and t > 0), len(mask)) - 1 for mask in masks))
+    first = sequences[0]
+    shared = 0
+    while shared < limit and all(s[shared] == first[shared] for s in sequences):
+        shared += 1
+    return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+def pad_sequences(sequences: list[list[int]], masks: list[list[int]], pad_id: int, device: str = "cpu",
+                  share_prefix: bool = False) -> PaddedBatch:
     width = max(len(s) for s in sequences)
     ids_BT = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_BT = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -43,7 +70,8 @@ def pad_sequences(sequences: list[list[int]], masks: list[list[int]], pad_id: in
         attention_BT[row, : len(seq)] = 1
         mask_BT[row, : len(mask)] = torch.tensor(mask, dtype=torch.float)
     mask_BT[:, 0] = 0.0  # the first token has no context to be predicted from
-    return PaddedBatch(ids_BT.to(device), attention_BT.to(device), mask_BT.to(device))
+    shared = shareable_prefix(sequences, masks) if share_prefix else 0
+    return PaddedBatch(ids_BT.to(device), attention_BT.to(device), mask_BT.to(device), shared)
 
 
 def pad_values(rows: list[list[float]], width: int, device: torch.device | str) -> torch.Tensor:
@@ -64,29 +92,58 @@ def mini_batch_schedule(rng: random.Random, size: int, epochs: int, mini_batches
                 yield part
 
 
-def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Indices grouped so that rows × longest row ≤ token_budget (a single long row always fits)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
+def prompt_groups(sequences: list[list[int]], masks: list[list[int]]) -> list[tuple[int, int]]:
+    """Per row, (group, shared length): rows whose tokens before their first trainable one are the
+    same (a GRPO group's prompt) form a group, and share all but the last of those tokens; a row
+    whose prompt no other row has gets a group of its own and 0."""
+    keys = []
+    for seq, mask in zip(sequences, masks):
+        first = next((t for t, m in enumerate(mask) if m and t > 0), len(seq))
+        keys.append(tuple(seq[:first]))
+    ids: dict[tuple[int, ...], int] = {}
+    counts: dict[tuple[int, ...], int] = {}
+    for key in keys:
+        ids.setdefault(key, len(ids))
+        counts[key] = counts.get(key, 0) + 1
+    return [(ids[key], max(len(key) - 1, 0) if counts[key] > 1 else 0) for key in keys]
+
+
+def pack_micro_batches(lengths: list[int], token_budget: int,
+                       groups: list[tuple[int, int]] | None = None) -> list[list[int]]:
+    """Indices grouped so that each micro-batch's decoder tokens fit `token_budget` (a single long
+    row always fits). Without `groups` (see prompt_groups) the cost is rows × longest row; with
+    them, rows sharing a prompt are packed together and their prompt counts once:
+    shared + rows × (longest − shared), and rows with nothing to share are packed among themselves."""
+    if groups is None:
+        groups = [(-1 - i, 0) for i in range(len(lengths))]
+    order = sorted(range(len(lengths)), key=lambda i: (groups[i][1] == 0, groups[i][0] if groups[i][1] else 0,
+                                                       lengths[i], i))
+    packed: list[list[int]] = []
     current: list[int] = []
     for i in order:
-        if current and (len(current) + 1) * lengths[i] > token_budget:
-            groups.append(current)
+        group, shared = groups[i]
+        same = bool(current) and shared > 0 and groups[current[0]] == (group, shared)
+        cost = shared + (len(current) + 1) * (lengths[i] - shared) if same else (len(current) + 1) * lengths[i]
+        alone = shared == 0 and bool(current) and groups[current[0]][1] == 0
+        if current and not (same or alone) or current and cost > token_budget:
+            packed.append(current)
             current = []
         current.append(i)
     if current:
-        groups.append(current)
-    return groups
+        packed.append(current)
+    return packed
 
 
 def padded_micro_batches(plan: list[list[int]], sequences: list[list[int]], masks: list[list[int]], pad_id: int,
-                         device: torch.device | str) -> Iterator[tuple[list[int], PaddedBatch]]:
+                         device: torch.device | str, share_prefix: bool = False
+                         ) -> Iterator[tuple[list[int], PaddedBatch]]:
     """Each planned micro-batch padded: (its indices, the batch). An empty entry of the plan (a rank
     with fewer micro-batches than another, see distributed.Ranks) yields ([], a two-token dummy with
     one position to predict), which the caller weighs by zero; it keeps FSDP's collectives in step."""
     for idx in plan:
         if idx:
-            yield idx, pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], pad_id, device)
+            yield idx, pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], pad_id, device,
+                                     share_prefix)
         else:
             yield [], pad_sequences([[pad_id, pad_id]], [[0, 1]], pad_id, device)
 
@@ -128,7 +185,7 @@ def attach_token_logprobs(model: torch.nn.Module) -> str:
 
 def compute_token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0,
                            chunk_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden_BTH = model.get_decoder()(input_ids=batch.ids_BT, attention_mask=batch.attention_BT).last_hidden_state
+    hidden_BTH = _decoder_hidden(model, batch)
     head = model.get_output_embeddings()
     want_BT = batch.mask_BT[:, 1:] > 0  # token t+1 is predicted from position t
     hidden_NH = hidden_BTH[:, :-1][want_BT]
@@ -150,3 +207,18 @@ def compute_token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperatu
         logprobs_BT = logprobs_BT.masked_scatter(full_want_BT, torch.cat(logps))
         entropy_BT = entropy_BT.masked_scatter(full_want_BT, torch.cat(entropies))
     return logprobs_BT, entropy_BT
+
+
+def _decoder_hidden(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
+    """The decoder's last hidden states, [B, T, H]; a shared prefix runs once (module docstring)."""
+    decoder = model.get_decoder()
+    shared = batch.shared_prefix
+    if not shared:
+        return decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT).last_hidden_state
+    rows = batch.ids_BT.shape[0]
+    prefix = decoder(input_ids=batch.ids_BT[:1, :shared], use_cache=True)
+    cache = prefix.past_key_values
+    cache.batch_repeat_interleave(rows)  # differentiable: each row's gradient reaches the prefix
+    rest = decoder(input_ids=batch.ids_BT[:, shared:], attention_mask=batch.attention_BT, past_key_values=cache,
+                   use_cache=True).last_hidden_state
+    return torch.cat([prefix.last_hidden_state.expand(rows, -1, -1), rest], dim=1)

@@ -23,7 +23,7 @@ from agentrl.trainer.checkpoint import load_sharded, save_model, save_sharded
 from agentrl.trainer.distributed import Ranks, buckets, full_tensor, shard_model
 from agentrl.trainer.lora import merged_weights
 from agentrl.trainer.logprobs import (attach_token_logprobs, mini_batch_schedule, pad_values, padded_micro_batches,
-                                      token_logprobs)
+                                      prompt_groups, token_logprobs)
 
 
 class WeightSink(Protocol):
@@ -57,9 +57,10 @@ def batched_logprobs(model: torch.nn.Module, sequences: list[list[int]], masks: 
     grad; None for the rows other ranks compute (none with one rank)."""
     device = next(model.parameters()).device
     out: list[list[float] | None] = [None] * len(sequences)
-    plan = ranks.micro_batch_plan(list(range(len(sequences))), [len(s) for s in sequences], micro_batch_tokens)
+    plan = ranks.micro_batch_plan(list(range(len(sequences))), [len(s) for s in sequences], micro_batch_tokens,
+                                  prompt_groups(sequences, masks))
     with torch.no_grad():
-        for idx, batch in padded_micro_batches(plan, sequences, masks, pad_id, device):
+        for idx, batch in padded_micro_batches(plan, sequences, masks, pad_id, device, share_prefix=True):
             logprobs_BT, _ = token_logprobs(model, batch, temperature)
             for row, i in enumerate(idx):
                 out[i] = logprobs_BT[row, : len(sequences[i])].tolist()
@@ -142,9 +143,11 @@ class PolicyWorker:
         metrics = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0}
         if rollout_logprobs is not None:
             metrics.update(rollout_logprob_diff=0.0, engine_k3_mean=0.0, engine_k3_max=0.0)
-        plan = self.ranks.micro_batch_plan(mini, [len(s) for s in sequences], self.micro_batch_tokens)
+        plan = self.ranks.micro_batch_plan(mini, [len(s) for s in sequences], self.micro_batch_tokens,
+                                           prompt_groups(sequences, masks))
         self.optimizer.zero_grad(set_to_none=True)
-        for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device)):
+        for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device,
+                                                              share_prefix=True)):
             if self.ranks.distributed:  # reduce gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(n == len(plan) - 1)
             width = batch.ids_BT.shape[1]
