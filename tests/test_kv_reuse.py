@@ -69,7 +69,7 @@ def test_a_batch_of_misses_partial_and_full_hits_matches_no_reuse(tiny_model):
     first = [1, 504, 3459, 30, 2, 9690, 28, 30, 253]
     done = reuse.generate_batch([first], [greedy(8)])[0].token_ids
     extended = first + done + [11, 12]  # the next turn: the cached entry is a prefix
-    sibling = first[:5] + [77, 78]  # shares only five tokens with it
+    sibling = first[:5] + [77, 78]  # shares only five tokens with it: not reused (timing decides if it exists)
     repeat = first + done[:-1]  # exactly the cached entry: all but its last token are reused
     fresh = [7, 33, 44]  # nothing in common
     prompts = [extended, sibling, repeat, fresh]
@@ -80,8 +80,28 @@ def test_a_batch_of_misses_partial_and_full_hits_matches_no_reuse(tiny_model):
     for a, b in zip(got, want):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
     cached = len(first) + len(done) - 1
-    assert reuse.stats["cached_tokens"] - before["cached_tokens"] == cached + 5 + (len(repeat) - 1) + 0
-    assert reuse.stats["prefill_tokens"] - before["prefill_tokens"] == 3 + 2 + 1 + 3
+    assert reuse.stats["cached_tokens"] - before["cached_tokens"] == cached + (len(repeat) - 1)
+    # The misses compute all but their last token alone first (6 and 2), then each row its last one.
+    assert reuse.stats["prefill_tokens"] - before["prefill_tokens"] == 3 + (6 + 1) + 1 + (2 + 1)
+
+
+def test_a_shared_prompt_is_computed_once_and_the_same_whether_requests_come_together_or_apart(tiny_model):
+    """A GRPO group's requests share their prompt: it is computed once, and every request sees the
+    same numbers whether its siblings arrived in the same batch, earlier, or not at all."""
+    prompt = [1, 504, 3459, 30, 2, 9690, 28, 30, 253, 77, 91, 5]
+    together = HFEngine(tiny_model, pad_token_id=2)
+    batch = together.generate_batch([prompt] * 3, [greedy(6)] * 3)
+    assert together.stats["prefill_tokens"] == len(prompt) - 1 + 3  # the prefix once, each row its last token
+    assert together.stats["cached_tokens"] == 2 * (len(prompt) - 1)
+    apart = HFEngine(tiny_model, pad_token_id=2)
+    one_by_one = [apart.generate_batch([prompt], [greedy(6)])[0] for _ in range(3)]
+    assert apart.stats["prefill_tokens"] == len(prompt) - 1 + 3
+    alone = HFEngine(tiny_model, pad_token_id=2).generate_batch([prompt], [greedy(6)])[0]
+    for completion in one_by_one:  # a sibling's stored prompt gives exactly what computing it would
+        assert completion.token_ids == alone.token_ids and completion.logprobs == alone.logprobs  # bit for bit
+    for completion in batch:  # decoded three rows at a time: only the batch shape changes the rounding
+        assert completion.token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
 
 
 class GoOn:

@@ -26,8 +26,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from agentrl.rollout.kv_cache import PrefixKVCache, batched_prefill, supports_prefix_reuse
-from agentrl.rollout.running_batch import Row, RunningBatch
+from agentrl.rollout.kv_cache import Hit, PrefixKVCache, batched_prefill, supports_prefix_reuse
+from agentrl.rollout.running_batch import Row, RunningBatch, with_room
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
 from agentrl.types import Completion, SamplingParams
 
@@ -202,18 +202,43 @@ class HFEngine:
 
     def _prefill(self, batch: RunningBatch, rows: list[Row]) -> None:
         """New rows' uncached tokens in one forward pass, their first token sampled, then they join."""
-        for row in rows:
-            row.hit = self.prefix_cache.lookup(row.prompt)
+        computed = self._reuse_plan(rows)
         prefill = batched_prefill([r.prompt for r in rows], [r.hit for r in rows], self.pad_token_id, self.device,
                                   self.model.config)
         out = self.model(input_ids=prefill.ids_BN, attention_mask=prefill.mask_BT, position_ids=prefill.positions_BN,
                          past_key_values=prefill.past, use_cache=True, logits_to_keep=1)
         tokens_B = self._sample(rows, out.logits[:, -1, :])
-        batch.join(rows, out.past_key_values, prefill.mask_BT, prefill.positions_BN[:, -1] + 1, tokens_B)
+        batch.join(rows, with_room(out.past_key_values), prefill.mask_BT, prefill.positions_BN[:, -1] + 1, tokens_B)
         self.stats["batches"] += 1
         self.stats["requests"] += len(rows)
-        self.stats["prefill_tokens"] += sum(prefill.new)
-        self.stats["cached_tokens"] += sum(prefill.cached)
+        self.stats["prefill_tokens"] += sum(prefill.new) + computed
+        self.stats["cached_tokens"] += sum(prefill.cached) - computed
+
+    def _reuse_plan(self, rows: list[Row]) -> int:
+        """Set each row's cache hit so that how a request is computed never depends on which other
+        requests came first or arrived with it (that changes float rounding, and a resumed or
+        rescheduled run must sample the same tokens): rows reuse only what `reusable` allows. A row
+        with nothing to reuse first computes all its tokens but the last alone (batch 1, no
+        padding) and stores them, so the rows of a GRPO group, which share their prompt, compute it
+        once whether they arrive together or not. Returns the tokens those prefix passes computed."""
+        for row in rows:
+            row.hit = self.prefix_cache.reusable(row.prompt)
+        if self.prefix_cache.budget_bytes == 0:
+            return 0
+        computed = 0
+        for row in rows:
+            if row.hit.length or len(row.prompt) < 2:
+                continue
+            row.hit = self.prefix_cache.reusable(row.prompt)  # a row before it may have stored it
+            if not row.hit.length:
+                prefix = row.prompt[:-1]
+                out = self.model(input_ids=torch.tensor([prefix], device=self.device), use_cache=True,
+                                 logits_to_keep=1)
+                self.prefix_cache.store(prefix, [(layer.keys[0], layer.values[0])
+                                                 for layer in out.past_key_values.layers])
+                row.hit = self.prefix_cache.reusable(row.prompt)  # nothing when over the budget
+                computed += len(prefix) if row.hit.length else 0
+        return computed
 
     def _step(self, batch: RunningBatch) -> None:
         """One token for every running row."""

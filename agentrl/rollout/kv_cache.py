@@ -2,11 +2,13 @@
 
 Every request leaves an entry when it stops: the token ids the model has seen (prompt plus every
 sampled token but the last, which was never fed back) and their per-layer keys and values (copies,
-accounted by tensor bytes). A later request reuses the entry sharing the longest common prefix with
-its ids, so the next turn of an episode prefills only the tool or user output and the generation
-prompt, and episodes of a group share their prompt; an entry the new one extends is dropped.
-Entries are evicted least recently used first once their bytes pass the budget; a miss simply
-prefills everything again. A weight update drops every entry.
+accounted by tensor bytes). The engine reuses only entries a request's computation does not depend
+on the timing of (`reusable`): the longest entry the request extends (its episode's previous turn,
+so the next turn prefills only the tool or user output and the generation prompt; the extended
+entry is then dropped), or an entry holding all of the request's tokens but the last (a GRPO
+group's shared prompt, which the engine computes once and stores, see hf_engine). `lookup` finds
+the longest common prefix with any entry. Entries are evicted least recently used first once their
+bytes pass the budget; a miss simply prefills everything again. A weight update drops every entry.
 
 Rows prefilled together have different cached lengths. `batched_prefill` left-pads the cached keys
 and values to the longest cached length C and the new tokens to the longest new length N, so a row
@@ -91,6 +93,33 @@ class PrefixKVCache:
         self._entries.move_to_end(best.key)
         best.length = min(best.length, len(ids) - 1)
         return best
+
+    def reusable(self, ids: list[int]) -> Hit:
+        """What the engine may reuse for `ids`: the longest entry that is a prefix of them (its
+        length, at most len(ids) - 1), else an entry whose first len(ids) - 1 tokens are ids[:-1];
+        nothing otherwise. A partial match with another episode's tokens is not reused: whether it
+        exists depends on timing, and a prompt split at a different point rounds differently."""
+        if not self._entries or len(ids) < 2:
+            return Hit()
+        ids_T = torch.tensor(ids)
+        extended: tuple[int, CacheEntry] | None = None
+        whole: tuple[int, CacheEntry] | None = None
+        for key, entry in self._entries.items():
+            n = len(entry.ids_T)
+            if n <= len(ids) and (extended is None or n > len(extended[1].ids_T)) and torch.equal(entry.ids_T, ids_T[:n]):
+                extended = key, entry
+            elif whole is None and n >= len(ids) - 1 and torch.equal(entry.ids_T[:len(ids) - 1], ids_T[:-1]):
+                whole = key, entry
+        if extended is not None:
+            key, entry = extended
+            hit = Hit(entry, key, min(len(entry.ids_T), len(ids) - 1), covers_entry=True)
+        elif whole is not None:
+            key, entry = whole
+            hit = Hit(entry, key, len(ids) - 1)
+        else:
+            return Hit()
+        self._entries.move_to_end(key)
+        return hit
 
     def store(self, ids: list[int], layers: KV, replaces: int | None = None) -> None:
         """Add an entry (dropping `replaces`, an entry it extends), then evict down to the budget.
