@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from agentrl.rollout.kv_cache import Hit, PrefixKVCache, batched_prefill, supports_prefix_reuse
+from agentrl.rollout.kv_cache import PrefixKVCache, batched_prefill, supports_prefix_reuse
 from agentrl.rollout.running_batch import Row, RunningBatch, with_room
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
 from agentrl.types import Completion, SamplingParams
