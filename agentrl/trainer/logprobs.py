@@ -44,6 +44,11 @@ class PaddedBatch:
 MIN_SHARED_PREFIX = 16  # below this, a second decoder call costs more than it saves
 
 
+def first_trainable(mask: list[int]) -> int:
+    """Position of a row's first trainable token (position 0 never is); len(mask) when none."""
+    return next((t for t, m in enumerate(mask) if m and t > 0), len(mask))
+
+
 def shareable_prefix(sequences: list[list[int]], masks: list[list[int]]) -> int:
     """Length of the prefix every row has in common and whose hidden states nothing needs: it ends
     before the last position ahead of each row's first trainable token (that position's hidden
@@ -51,7 +56,7 @@ def shareable_prefix(sequences: list[list[int]], masks: list[list[int]]) -> int:
     if len(sequences) < 2:
         return 0
     limit = min(min(len(s) for s in sequences) - 1,
-                min(next((t for t, m in enumerate(mask) if m and t > 0), len(mask)) - 1 for mask in masks))
+                min(first_trainable(mask) - 1 for mask in masks))
     first = sequences[0]
     shared = 0
     while shared < limit and all(s[shared] == first[shared] for s in sequences):
@@ -96,10 +101,7 @@ def prompt_groups(sequences: list[list[int]], masks: list[list[int]]) -> list[tu
     """Per row, (group, shared length): rows whose tokens before their first trainable one are the
     same (a GRPO group's prompt) form a group, and share all but the last of those tokens; a row
     whose prompt no other row has gets a group of its own and 0."""
-    keys = []
-    for seq, mask in zip(sequences, masks):
-        first = next((t for t, m in enumerate(mask) if m and t > 0), len(seq))
-        keys.append(tuple(seq[:first]))
+    keys = [tuple(seq[:first_trainable(mask)]) for seq, mask in zip(sequences, masks)]
     ids: dict[tuple[int, ...], int] = {}
     counts: dict[tuple[int, ...], int] = {}
     for key in keys:
@@ -125,7 +127,7 @@ def pack_micro_batches(lengths: list[int], token_budget: int,
         same = bool(current) and shared > 0 and groups[current[0]] == (group, shared)
         cost = shared + (len(current) + 1) * (lengths[i] - shared) if same else (len(current) + 1) * lengths[i]
         alone = shared == 0 and bool(current) and groups[current[0]][1] == 0
-        if current and not (same or alone) or current and cost > token_budget:
+        if current and (not (same or alone) or cost > token_budget):
             packed.append(current)
             current = []
         current.append(i)
