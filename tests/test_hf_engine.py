@@ -81,6 +81,21 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny_model):
     torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[[0, 1], [1, 2]])
 
 
+def test_sampling_draws_each_token_with_its_probability():
+    """100 000 rows in one call; 0.006 is four standard deviations of the largest frequency."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1e9]]).expand(100_000, 4)
+    generator = torch.Generator().manual_seed(0)
+    ids, logp = sample_tokens(logits, temperature=1.0, top_p=1.0, generator=generator)
+    probs = torch.tensor([1.0, 2.718282, 7.389056, 0.0]) / 11.107338  # softmax by hand
+    torch.testing.assert_close(torch.bincount(ids, minlength=4) / len(ids), probs, atol=0.006, rtol=0)
+    torch.testing.assert_close(logp, probs.log()[ids])
+    # Temperature 2 gives 0.186, 0.307, 0.506; top-p 0.7 keeps the two largest, renormalised.
+    ids, logp = sample_tokens(logits, temperature=2.0, top_p=0.7, generator=generator)
+    torch.testing.assert_close(torch.bincount(ids, minlength=4) / len(ids),
+                               torch.tensor([0.0, 0.3775, 0.6225, 0.0]), atol=0.006, rtol=0)
+    torch.testing.assert_close(logp[ids == 2], torch.full_like(logp[ids == 2], 0.50648).log(), atol=1e-4, rtol=0)
+
+
 def test_update_weights_in_place_changes_outputs_and_version(tiny_model):
     engine = HFEngine(tiny_model, pad_token_id=2)
     before = engine.generate_batch(PROMPTS, [greedy(6)] * 3)
@@ -119,6 +134,47 @@ def test_a_request_arriving_mid_decode_joins_and_a_short_row_leaves_early(tiny_m
     for got, want in zip((short, long), solo.generate_batch([PROMPTS[0], PROMPTS[1]], [greedy(5), greedy(300)])):
         assert got.token_ids == want.token_ids  # joining a batch of another width changes nothing
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_joining_and_leaving_on_a_script_decode_exactly_as_alone(tiny_model):
+    """Joins and leaves at chosen steps, through the running batch's slots: a join into a freed slot
+    of a wide enough buffer copies nothing that is running; a row longer than the running ones
+    makes room on the left; more rows than the buffer holds make it grow; a leave moves the last
+    row into the freed slot. Every row's ids and logprobs equal a lone generation's."""
+    from agentrl.rollout.running_batch import Row
+
+    engine = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0, max_batch_size=8)
+    long_prompt = [1] + list(range(300, 340))  # longer than anything running when it joins
+    plan = {  # step -> rows joining then
+        0: [("a", PROMPTS[0], 20), ("b", PROMPTS[1], 3)],
+        5: [("c", PROMPTS[2], 6)],  # into b's freed slot: no reallocation
+        7: [("d", long_prompt, 4)],  # room on the left
+        8: [("e", PROMPTS[1], 5), ("f", PROMPTS[0], 2)],  # 5 rows in 4 slots: it grows
+    }
+    step, results, buffers = 0, {}, []
+    original = engine._prefill
+
+    def prefill(batch, rows):
+        before = batch.keys[0]
+        original(batch, rows)
+        buffers.append((rows[0].owner, before.data_ptr() == batch.keys[0].data_ptr() and before.numel() > 0))
+
+    def admit(room):
+        nonlocal step
+        step += 1
+        return [Row(p, greedy(n), owner=name) for name, p, n in plan.get(step, [])][:room]
+
+    engine._prefill = prefill
+    first = [Row(p, greedy(n), owner=name) for name, p, n in plan[0]]
+    with torch.no_grad():
+        engine._decode(first, lambda row: results.__setitem__(row.owner, row), admit)
+    assert dict(buffers) == {"a": False, "c": True, "d": False, "e": False}
+    assert engine.stats["joined_requests"] == 4 and len(results) == 6
+    for name, prompt, n in [spec for specs in plan.values() for spec in specs]:
+        alone = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0).generate_batch([prompt], [greedy(n)])[0]
+        assert results[name].ids == alone.token_ids, name
+        torch.testing.assert_close(torch.tensor(results[name].logprobs), torch.tensor(alone.logprobs),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_a_failed_decode_reaches_its_caller_and_the_engine_keeps_serving(tiny_model):

@@ -19,7 +19,8 @@ from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.collect import collect
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
-from agentrl.rollout.kv_cache import PrefixKVCache, supports_prefix_reuse
+from agentrl.errors import ConfigError
+from agentrl.rollout.kv_cache import PrefixKVCache, plain_attention_layers
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from agentrl.trainer.sft import conversation_sample, sft_train
@@ -223,10 +224,17 @@ def test_prefix_cache_bookkeeping():
     assert cache.bytes == 0 and cache.lookup([1, 2, 3, 4, 5]).entry is None
 
 
-def test_sliding_window_models_turn_reuse_off():
-    assert supports_prefix_reuse(make_tiny_llama().config)
-    assert not supports_prefix_reuse(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=16))
+def test_the_engine_refuses_sliding_window_models_by_name():
+    """Their layers keep only the last keys, which neither the running batch's slots nor the prefix
+    cache represent (before, such a model failed inside attention once a row joined mid-decode)."""
+    from transformers import MistralForCausalLM
+
+    assert plain_attention_layers(make_tiny_llama().config) == set()
+    config = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    assert plain_attention_layers(config) == {"DynamicSlidingWindowLayer"}
+    with pytest.raises(ConfigError, match="MistralForCausalLM has DynamicSlidingWindowLayer layers. Use engine.name=sglang"):
+        HFEngine(MistralForCausalLM(config), pad_token_id=0)
 
 
 def test_the_rollout_returns_only_after_the_decode_thread_stopped(stopping_model, tokenizer):

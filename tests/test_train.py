@@ -357,7 +357,10 @@ def test_training_goes_on_past_a_few_failed_episodes(tiny_recipe):
     history = train(load_recipe(recipe, ["reward.function=raising_rewards:sometimes_broken"]))
     failed = [h["episodes_failed"] for h in history]
     assert sum(failed) > 0 and all(f < 8 for f in failed), failed
-    assert all(math.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in history)
+    # A step whose groups each kept at most one episode, or only ones that agree, has zero advantages
+    # and a zero gradient; the run goes on and learns wherever surviving episodes disagree.
+    assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+    assert any(h["grad_norm"] > 0 for h in history)
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

@@ -26,8 +26,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from agentrl.rollout.kv_cache import PrefixKVCache, batched_prefill, supports_prefix_reuse
-from agentrl.rollout.running_batch import Row, RunningBatch, with_room
+from agentrl.errors import ConfigError
+from agentrl.rollout.kv_cache import PrefixKVCache, plain_attention_layers
+from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
 from agentrl.types import Completion, SamplingParams
 
@@ -56,6 +57,9 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
 
     Temperature 0 is greedy, with logprobs of the unscaled distribution. The logprob reported is
     of the distribution the trainer recomputes, so top-p truncation is not reflected in it.
+    Sampling inverts each row's cumulative distribution at one uniform draw: `torch.multinomial`
+    draws an exponential variate per vocabulary entry, 31 ms of a 160 ms decode step for 32 rows
+    of SmolLM2's 49k-token vocabulary, against about 2 ms for a cumulative sum and a search.
     """
     logits_BV = logits_BV.float()
     if temperature <= 0:
@@ -63,12 +67,18 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
         ids_B = logp_BV.argmax(dim=-1)
     else:
         logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
-        probs_BV = logp_BV.exp()
+        probs_BV, order_BV = logp_BV.exp(), None
         if top_p < 1.0:
-            sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-            outside_BV = sorted_BV.cumsum(dim=-1) - sorted_BV > top_p  # keeps at least the top token
-            probs_BV = torch.zeros_like(probs_BV).scatter(1, order_BV, sorted_BV.masked_fill(outside_BV, 0.0))
-        ids_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+            probs_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+            outside_BV = probs_BV.cumsum(dim=-1) - probs_BV > top_p  # keeps at least the top token
+            probs_BV = probs_BV.masked_fill(outside_BV, 0.0)
+        cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
+        draw_B1 = torch.rand((len(cdf_BV), 1), generator=generator, dtype=torch.float64, device=cdf_BV.device)
+        # The first entry whose cumulative probability exceeds the draw: never one of probability 0.
+        ids_B = torch.searchsorted(cdf_BV, draw_B1 * cdf_BV[:, -1:], right=True).squeeze(1)
+        ids_B = ids_B.clamp(max=cdf_BV.shape[1] - 1)  # a draw that rounds onto the total
+        if order_BV is not None:
+            ids_B = order_BV.gather(1, ids_B[:, None]).squeeze(1)
     return ids_B, logp_BV.gather(1, ids_B[:, None]).squeeze(1)
 
 
@@ -88,8 +98,11 @@ class HFEngine:
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
                       "joined_requests": 0, "kv_cache_bytes": 0, "kv_cache_evictions": 0}
-        # 0 bytes (or a model with sliding-window or linear-attention layers) turns prefix reuse off.
-        self.prefix_cache = PrefixKVCache(kv_cache_bytes if supports_prefix_reuse(model.config) else 0)
+        others = plain_attention_layers(model.config)
+        if others:  # the running batch's slot layout and the prefix cache hold plain keys and values
+            raise ConfigError(f"engine 'hf' decodes models whose attention layers all keep every key; "
+                              f"{type(model).__name__} has {', '.join(sorted(others))} layers. Use engine.name=sglang")
+        self.prefix_cache = PrefixKVCache(kv_cache_bytes)  # 0 bytes turns prefix reuse off
         self._pending: list[_Request] = []
         self._pending_lock = threading.Lock()  # the event loop adds requests, the decode thread takes them
         self._serving = False  # a decode thread is running (guarded by _pending_lock)
@@ -188,7 +201,9 @@ class HFEngine:
     def _decode(self, rows: list[Row], done: Callable[[Row], None],
                 admit: Callable[[int], list[Row]] | None = None) -> None:
         """Decode `rows`, and those `admit` hands over while they run, until every one stopped."""
-        batch, incoming = RunningBatch(), rows
+        batch = RunningBatch(self.model.config, self.pad_token_id, self.device, next(self.model.parameters()).dtype,
+                             max_rows=max(self.max_batch_size, len(rows)))
+        incoming = rows
         while incoming or len(batch):
             if incoming:
                 self._prefill(batch, incoming)
@@ -203,16 +218,13 @@ class HFEngine:
     def _prefill(self, batch: RunningBatch, rows: list[Row]) -> None:
         """New rows' uncached tokens in one forward pass, their first token sampled, then they join."""
         computed = self._reuse_plan(rows)
-        prefill = batched_prefill([r.prompt for r in rows], [r.hit for r in rows], self.pad_token_id, self.device,
-                                  self.model.config)
-        out = self.model(input_ids=prefill.ids_BN, attention_mask=prefill.mask_BT, position_ids=prefill.positions_BN,
-                         past_key_values=prefill.past, use_cache=True, logits_to_keep=1)
-        tokens_B = self._sample(rows, out.logits[:, -1, :])
-        batch.join(rows, with_room(out.past_key_values), prefill.mask_BT, prefill.positions_BN[:, -1] + 1, tokens_B)
+        out = self.model(**batch.join_inputs(rows), logits_to_keep=1)
+        batch.joined(self._sample(rows, out.logits[:, -1, :]))
         self.stats["batches"] += 1
         self.stats["requests"] += len(rows)
-        self.stats["prefill_tokens"] += sum(prefill.new) + computed
-        self.stats["cached_tokens"] += sum(prefill.cached) - computed
+        cached = sum(r.hit.length for r in rows)
+        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in rows) - cached + computed
+        self.stats["cached_tokens"] += cached - computed
 
     def _reuse_plan(self, rows: list[Row]) -> int:
         """Set each row's cache hit so that how a request is computed never depends on which other

@@ -10,16 +10,12 @@ group's shared prompt, which the engine computes once and stores, see hf_engine)
 the longest common prefix with any entry. Entries are evicted least recently used first once their
 bytes pass the budget; a miss simply prefills everything again. A weight update drops every entry.
 
-Rows prefilled together have different cached lengths. `batched_prefill` left-pads the cached keys
-and values to the longest cached length C and the new tokens to the longest new length N, so a row
-reads `[pad | cached | pad | new]`; the attention mask hides both gaps and the position ids count
-only real tokens, which is what the row would see alone (keys carry their rotary positions from
-when they were computed).
+The running batch (running_batch.py) copies a hit's keys and values into the row's slot.
 
 Why not transformers' own: its caches hold one batch for one `generate` call, with no notion of
 entries that outlive it. This module is not a radix tree (siblings store their shared prompt once
-each) and not paged memory; it supports models whose every layer is a plain `DynamicLayer`
-(no sliding windows, no linear attention) and turns itself off for others.
+each) and not paged memory; it holds models whose every layer is a plain `DynamicLayer` (no sliding
+windows, no linear attention), the only ones the transformers engine decodes.
 """
 
 from __future__ import annotations
@@ -51,9 +47,10 @@ class Hit:
     covers_entry: bool = False  # the entry is a prefix of the request: its successor replaces it
 
 
-def supports_prefix_reuse(config) -> bool:
-    """Whether every cache layer this model builds is a plain DynamicLayer."""
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+def plain_attention_layers(config) -> set[str]:
+    """The names of the cache layer kinds this model builds other than the plain DynamicLayer
+    (sliding windows, linear attention); empty when every layer keeps every key."""
+    return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
 
 
 class PrefixKVCache:
@@ -136,53 +133,3 @@ class PrefixKVCache:
             _, evicted = self._entries.popitem(last=False)
             self.bytes -= evicted.nbytes
             self.evictions += 1
-
-
-@dataclass
-class Prefill:
-    """The first forward pass of a batch: new tokens, mask and positions, and the cached past."""
-
-    ids_BN: torch.Tensor
-    mask_BT: torch.Tensor  # T = C + N: cached columns then new-token columns
-    positions_BN: torch.Tensor
-    past: DynamicCache
-    cached: list[int]  # cached tokens per row
-    new: list[int]  # new tokens per row
-
-
-def batched_prefill(prompts: list[list[int]], hits: list[Hit], pad_id: int, device: torch.device,
-                    config) -> Prefill:
-    """Rows with different cached lengths in one batch (module docstring: the layout)."""
-    batch = len(prompts)
-    cached = [h.length for h in hits]
-    new = [len(p) - c for p, c in zip(prompts, cached)]
-    width_c, width_n = max(cached), max(new)
-    ids_BN = torch.full((batch, width_n), pad_id, dtype=torch.long)
-    mask_BT = torch.zeros((batch, width_c + width_n), dtype=torch.long)
-    for row, (prompt, c, n) in enumerate(zip(prompts, cached, new)):
-        ids_BN[row, width_n - n:] = torch.tensor(prompt[c:])
-        mask_BT[row, width_c - c:width_c] = 1
-        mask_BT[row, width_c + width_n - n:] = 1
-    mask_BT = mask_BT.to(device)
-    positions_BN = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
-    past = DynamicCache(config=config)
-    if width_c:
-        past = DynamicCache(_padded_past(hits, width_c), config=config)
-    return Prefill(ids_BN.to(device), mask_BT, positions_BN, past, cached, new)
-
-
-def _padded_past(hits: list[Hit], width_c: int) -> KV:
-    """Each row's cached keys and values right-aligned in `width_c` columns (zeros where masked)."""
-    template = next(h.entry for h in hits if h.length)
-    out: KV = []
-    for layer, (keys_HTD, values_HTD) in enumerate(template.layers):
-        heads, _, dim = keys_HTD.shape
-        keys_BHCD = keys_HTD.new_zeros((len(hits), heads, width_c, dim))
-        values_BHCD = values_HTD.new_zeros((len(hits), values_HTD.shape[0], width_c, values_HTD.shape[2]))
-        for row, hit in enumerate(hits):
-            if hit.length:
-                k_HTD, v_HTD = hit.entry.layers[layer]
-                keys_BHCD[row, :, width_c - hit.length:] = k_HTD[:, :hit.length]
-                values_BHCD[row, :, width_c - hit.length:] = v_HTD[:, :hit.length]
-        out.append((keys_BHCD, values_BHCD))
-    return out

@@ -1,20 +1,33 @@
-"""The rows the transformers engine is decoding right now, and their batched KV cache.
+"""The rows the transformers engine is decoding right now, and their keys and values in slots.
 
 Rows join while others decode (an episode back from its tool does not wait for the whole batch to
-finish) and leave as soon as they stop (a finished row costs no more compute). Joining rows are
-prefilled on their own, then their cache is concatenated to the running one: whichever is narrower
-gets zero key/value columns on the left, masked out. Leaving rows are dropped with the cache's
-`batch_select_indices`, and columns no remaining row uses are cut from the left. Every row's
-attention-mask row marks exactly the columns holding its tokens, in order, so a leaving row's keys
-and values (for the prefix cache) are the columns its mask selects.
+finish) and leave as soon as they stop (a finished row costs no more compute). Each layer keeps its
+keys and values in one buffer of R row slots × W columns; the running rows hold slots 0..n-1 and
+every row's tokens end at the same column `end`, so a decode step writes one column for all rows
+in place, and the model reads views of the buffers, never copies. An attention-mask row marks
+exactly the columns holding its row's tokens, in order; other columns hold stale but finite values
+(zeros, or keys of a row that left), masked out.
 
-Each decode step appends one key and value column per layer. transformers' DynamicLayer does that
-with `torch.cat`, copying the whole cache every step: for 32 rows of 500 tokens of SmolLM2-135M in
-float32 that is ~0.7 GB moved per token, a large part of a CPU decode step. `RoomyLayer` keeps its
-keys and values as views of buffers with room for `ROOM` more columns and writes new columns in
-place, so the cache is copied once per ROOM steps (and when rows join or leave) instead.
+- A step appends column `end` in place; when the buffer is full it moves into a new one with ROOM
+  spare columns (one copy per ROOM steps).
+- Joining rows take slots n..n+J-1. Their cached keys and values (from the engine's prefix cache)
+  are written right-aligned to end N columns before `end`, where N is the most new tokens any of
+  them brings, and their forward pass appends the new tokens in place into the last N columns, so
+  they end where the running rows end. The rows' layout within the block is
+  `[pad | cached | pad | new]`, with the mask hiding both gaps and position ids counting only real
+  tokens, which is what each row would see alone (keys carry their rotary positions from when they
+  were computed). The running rows are not touched.
+- A leaving row's slot is filled by the last running row (one row's columns copied), and columns no
+  remaining row uses are dropped from the left by moving `start`.
 
-This module holds tensors and bookkeeping; the engine decides when rows join, samples and stores.
+The previous design concatenated the running cache with every join and selected rows with every
+leave, copying the whole cache twice per change (once more at the next step's append): in the
+multi-turn loop of bench/rollout_efficiency.py, where every episode leaves for its tool and joins
+again, that was about a tenth of the rollout's time.
+
+Only plain full-attention cache layers (transformers' `DynamicLayer`) fit this layout; the engine
+refuses models with sliding-window or linear-attention layers. This module holds tensors and
+bookkeeping; the engine decides when rows join, runs the model, samples and stores.
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ from transformers.cache_utils import DynamicLayer
 
 from agentrl.rollout.kv_cache import KV, Hit
 from agentrl.types import SamplingParams
+
+ROOM = 128  # spare columns per reallocation: one copy of the cache per ROOM decode steps
 
 
 @dataclass
@@ -56,118 +71,176 @@ class Row:
         return self.prompt + self.ids[:-1]
 
 
-ROOM = 128  # spare key/value columns per layer: one copy of the cache per ROOM decode steps
+class SlotLayer(DynamicLayer):
+    """One layer of a forward pass's cache: the columns [start, end) of some row slots of the
+    batch's buffers. `update` writes the new columns at `end` in place (the batch made room)."""
 
-
-class RoomyLayer(DynamicLayer):
-    """A DynamicLayer whose `keys` and `values` are views of larger buffers: `update` writes the new
-    columns after the view when the buffer has room, and otherwise moves the view into a new buffer
-    with ROOM spare columns. Anything that replaces `keys`/`values` with another tensor (joining,
-    leaving, cutting columns) simply makes the next update move it."""
-
-    @classmethod
-    def adopt(cls, layer: DynamicLayer) -> "RoomyLayer":
-        roomy = cls()
-        roomy.__dict__.update(layer.__dict__)
-        return roomy
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: slice, start: int, end: int):
+        super().__init__()
+        self.buffers, self.row_slots, self.start, self.end = (keys, values), rows, start, end
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.keys, self.values = keys[rows, :, start:end], values[rows, :, start:end]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized or self.keys.numel() == 0:
-            return super().update(key_states, value_states, *args, **kwargs)
-        self.keys = _append(self.keys, key_states)
-        self.values = _append(self.values, value_states)
+        keys, values = self.buffers
+        new = key_states.shape[2]
+        keys[self.row_slots, :, self.end:self.end + new] = key_states
+        values[self.row_slots, :, self.end:self.end + new] = value_states
+        self.end += new
+        self.keys = keys[self.row_slots, :, self.start:self.end]
+        self.values = values[self.row_slots, :, self.start:self.end]
         return self.keys, self.values
 
 
-def _append(view: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """`view` (B, H, T, D) with `new` (B, H, N, D) after it along T, in place when `view` is the
-    last columns of a buffer with room (a view of a view has the root buffer as `_base`)."""
-    base = view._base
-    if base is not None and base.dim() == 4 and base.shape[:2] == view.shape[:2] and base.stride() == view.stride():
-        start = (view.storage_offset() - base.storage_offset()) // base.stride(2)
-        end = start + view.shape[2]
-        if end + new.shape[2] <= base.shape[2]:
-            base[:, :, end:end + new.shape[2]] = new
-            return base[:, :, start:end + new.shape[2]]
-    batch, heads, length, dim = view.shape
-    buffer = view.new_empty((batch, heads, length + new.shape[2] + ROOM, dim))
-    buffer[:, :, :length] = view
-    buffer[:, :, length:length + new.shape[2]] = new
-    return buffer[:, :, :length + new.shape[2]]
+@dataclass
+class _Joining:
+    """What `join_inputs` laid out, for `joined` to adopt once the forward pass has run."""
 
-
-def with_room(past: DynamicCache) -> DynamicCache:
-    """`past` with its plain layers made RoomyLayers (no copy until the next update)."""
-    past.layers = [RoomyLayer.adopt(layer) if type(layer) is DynamicLayer else layer for layer in past.layers]
-    return past
+    rows: list[Row]
+    mask_BT: torch.Tensor
+    next_pos_B: torch.Tensor
+    start: int
+    end: int
 
 
 class RunningBatch:
-    """Rows, their cache (keys and values per layer), mask, next positions and last sampled tokens."""
+    """Rows, their key/value buffers, mask, next positions and last sampled tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, config, pad_token_id: int, device: torch.device, dtype: torch.dtype, max_rows: int):
+        self.config, self.pad_token_id, self.device = config, pad_token_id, device
+        self.max_rows = max_rows  # how many slots to grow to at once (more are added if asked for)
         self.rows: list[Row] = []
-        self.past: DynamicCache | None = None
-        self.mask_BT: torch.Tensor | None = None
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        empty = torch.zeros((0, heads, 0, dim), dtype=dtype, device=device)
+        self.keys = [empty] * config.num_hidden_layers  # per layer (R, kv_heads, W, head_dim)
+        self.values = [empty] * config.num_hidden_layers
+        self.start = self.end = 0  # the columns the running rows use
+        self.mask_BT: torch.Tensor | None = None  # (n, end - start)
         self.next_pos_B: torch.Tensor | None = None
         self.tokens_B: torch.Tensor | None = None  # each row's last sampled token, fed by the next step
+        self._joining: _Joining | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, rows: list[Row], past: DynamicCache, mask_BT: torch.Tensor, next_pos_B: torch.Tensor,
-             tokens_B: torch.Tensor) -> None:
-        """Add freshly prefilled rows with their own cache (same layers, any width)."""
-        if not self.rows:
-            self.rows, self.past, self.mask_BT, self.next_pos_B, self.tokens_B = \
-                list(rows), past, mask_BT, next_pos_B, tokens_B
+    def _cache(self, rows: slice, start: int, end: int) -> DynamicCache:
+        cache = DynamicCache(config=self.config)
+        cache.layers = [SlotLayer(k, v, rows, start, end) for k, v in zip(self.keys, self.values)]
+        return cache
+
+    def _reserve(self, slots: int, left: int, right: int) -> None:
+        """Make the buffers hold `slots` rows and columns [start - left, end + right) (reallocating,
+        with ROOM spare columns on the right, and on the left when it was short there, when they do
+        not)."""
+        have = self.keys[0].shape
+        if slots <= have[0] and self.start - left >= 0 and self.end + right <= have[2]:
             return
-        width = max(self.mask_BT.shape[1], mask_BT.shape[1])
-        for mine, theirs in zip(self.past.layers, past.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
-        self.mask_BT = torch.cat([_left_pad(self.mask_BT, width), _left_pad(mask_BT, width)])
-        self.next_pos_B = torch.cat([self.next_pos_B, next_pos_B])
-        self.tokens_B = torch.cat([self.tokens_B, tokens_B])
-        self.rows += rows
+        used, n = self.end - self.start, len(self.rows)
+        left += ROOM if left else 0  # rows that need room on the left (longer than the running ones) come in runs
+        width = left + used + right + ROOM
+        if slots > have[0]:  # grow by doubling up to max_rows, so rows trickling in do not each copy the cache
+            slots = max(slots, min(2 * have[0], self.max_rows))
+        else:
+            slots = have[0]
+
+        def moved(old: torch.Tensor) -> torch.Tensor:
+            new = old.new_zeros((slots, old.shape[1], width, old.shape[3]))
+            new[:n, :, left:left + used] = old[:n, :, self.start:self.end]
+            return new
+
+        self.keys, self.values = [moved(k) for k in self.keys], [moved(v) for v in self.values]
+        self.start, self.end = left, left + used
+
+    def join_inputs(self, rows: list[Row]) -> dict[str, Any]:
+        """Lay out joining rows (their `hit`s set) in free slots and return their forward pass's
+        inputs; `joined` adopts them after it."""
+        cached = [r.hit.length for r in rows]
+        new = [len(r.prompt) - c for r, c in zip(rows, cached)]
+        width_c, width_n = max(cached), max(new)
+        n, joining = len(self.rows), len(rows)
+        block = width_c + width_n  # the joining rows' columns: [end - block, end) once they ran
+        if n:
+            self._reserve(n + joining, max(0, block - (self.end - self.start)), 0)
+        else:
+            self.start = self.end = 0
+            self._reserve(joining, 0, block)
+            self.end = block
+        first = self.end - block
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            for j, (row, c) in enumerate(zip(rows, cached)):
+                if c:
+                    k_HTD, v_HTD = row.hit.entry.layers[layer]
+                    keys[n + j, :, first + width_c - c:first + width_c] = k_HTD[:, :c]
+                    values[n + j, :, first + width_c - c:first + width_c] = v_HTD[:, :c]
+        ids_BN = torch.full((joining, width_n), self.pad_token_id, dtype=torch.long)
+        mask_BT = torch.zeros((joining, block), dtype=torch.long)
+        for j, (row, c, m) in enumerate(zip(rows, cached, new)):
+            ids_BN[j, width_n - m:] = torch.tensor(row.prompt[c:])
+            mask_BT[j, width_c - c:width_c] = 1
+            mask_BT[j, block - m:] = 1
+        mask_BT = mask_BT.to(self.device)
+        positions_BN = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
+        self._joining = _Joining(list(rows), mask_BT, positions_BN[:, -1] + 1, first, self.end)
+        return {"input_ids": ids_BN.to(self.device), "attention_mask": mask_BT, "position_ids": positions_BN,
+                "past_key_values": self._cache(slice(n, n + joining), first, first + width_c), "use_cache": True}
+
+    def joined(self, tokens_B: torch.Tensor) -> None:
+        """The rows `join_inputs` laid out ran their forward pass and sampled `tokens_B`: they run now."""
+        joining, self._joining = self._joining, None
+        start = min(self.start, joining.start) if self.rows else joining.start
+        width = self.end - start
+        masks = [_left_pad(joining.mask_BT, width)]
+        if self.rows:
+            masks.insert(0, _left_pad(self.mask_BT, width))
+        self.mask_BT, self.start = torch.cat(masks), start
+        self.next_pos_B = joining.next_pos_B if not self.rows else torch.cat([self.next_pos_B, joining.next_pos_B])
+        self.tokens_B = tokens_B if not self.rows else torch.cat([self.tokens_B, tokens_B])
+        self.rows += joining.rows
 
     def row_kv(self, index: int) -> KV:
         """Copies of one row's keys and values, its tokens in order."""
-        columns = self.mask_BT[index].nonzero().squeeze(1)
-        return [(layer.keys[index].index_select(1, columns), layer.values[index].index_select(1, columns))
-                for layer in self.past.layers]
+        columns = self.mask_BT[index].nonzero().squeeze(1) + self.start
+        return [(k[index].index_select(1, columns), v[index].index_select(1, columns))
+                for k, v in zip(self.keys, self.values)]
 
     def keep(self, indices: list[int]) -> None:
-        """Only the rows at `indices` stay; columns no remaining row uses are cut from the left."""
-        self.rows = [self.rows[i] for i in indices]
-        if not indices:
-            self.past = self.mask_BT = self.next_pos_B = self.tokens_B = None
+        """Only the rows at `indices` (ascending) stay: the last ones move into the freed slots."""
+        n, kept = len(self.rows), len(indices)
+        if kept == 0:
+            self.rows, self.mask_BT, self.next_pos_B, self.tokens_B = [], None, None, None
             return
-        index_B = torch.tensor(indices, device=self.mask_BT.device)
-        self.past.batch_select_indices(index_B)
-        self.mask_BT, self.next_pos_B, self.tokens_B = \
-            self.mask_BT[index_B], self.next_pos_B[index_B], self.tokens_B[index_B]
+        staying = set(indices)
+        holes = [i for i in range(kept) if i not in staying]
+        movers = [i for i in range(kept, n) if i in staying]
+        if holes:
+            to, frm = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
+            for buffer in self.keys + self.values:
+                buffer[to, :, self.start:self.end] = buffer[frm, :, self.start:self.end]
+            for name in ("mask_BT", "next_pos_B", "tokens_B"):
+                tensor = getattr(self, name)
+                tensor[to] = tensor[frm]
+            for hole, mover in zip(holes, movers):
+                self.rows[hole] = self.rows[mover]
+        self.rows = self.rows[:kept]
+        self.mask_BT, self.next_pos_B, self.tokens_B = self.mask_BT[:kept], self.next_pos_B[:kept], self.tokens_B[:kept]
         first = int(self.mask_BT.any(dim=0).nonzero()[0])
-        if first:
-            for layer in self.past.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self.mask_BT = self.mask_BT[:, first:]
+        self.start += first
+        self.mask_BT = self.mask_BT[:, first:]
 
     def step_inputs(self) -> dict[str, Any]:
-        """The next forward pass: every row's last token at its next position, one more mask column."""
+        """The next forward pass: every row's last token at its next position, one more column."""
+        self._reserve(len(self.rows), 0, 1)
         self.mask_BT = torch.cat([self.mask_BT, self.mask_BT.new_ones((len(self.rows), 1))], dim=1)
         inputs = {"input_ids": self.tokens_B[:, None], "attention_mask": self.mask_BT,
-                  "position_ids": self.next_pos_B[:, None], "past_key_values": self.past, "use_cache": True}
+                  "position_ids": self.next_pos_B[:, None], "use_cache": True,
+                  "past_key_values": self._cache(slice(0, len(self.rows)), self.start, self.end)}
+        self.end += 1
         self.next_pos_B = self.next_pos_B + 1
         return inputs
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """`t` with zero columns on the left of its sequence dimension (dim 2 of keys, 1 of a mask)."""
-    dim = 2 if t.dim() == 4 else 1
-    missing = width - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+    """A mask `t` (B, T) with zero columns on the left up to `width`."""
+    missing = width - t.shape[1]
+    return t if missing == 0 else torch.cat([t.new_zeros((t.shape[0], missing)), t], dim=1)
