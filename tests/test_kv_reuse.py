@@ -212,16 +212,20 @@ def test_prefix_cache_bookkeeping():
     cache.store([5, 6, 7, 8], [layer])
     cache.store([5, 6, 9, 9], [layer])
     assert cache.bytes == 2 * (512 + 32) and len(cache) == 2
-    hit = cache.lookup([5, 6, 7, 8, 1])
+    hit = cache.reusable([5, 6, 7, 8, 1])  # extends an entry: all of it, which its successor replaces
     assert (hit.length, hit.covers_entry) == (4, True)
-    assert cache.lookup([5, 6, 7]).length == 2  # at most all but the last token
-    assert cache.lookup([5, 6, 9, 1]).length == 3 and cache.lookup([4, 6]).entry is None
+    hit = cache.reusable([5, 6, 7])  # an entry holding all its tokens but the last
+    assert (hit.length, hit.covers_entry) == (2, False)
+    assert cache.reusable([5, 6, 9, 1]).length == 3
+    assert cache.reusable([5, 6, 7, 1, 2]).entry is None  # a partial match (3 tokens) is not reused
+    assert cache.reusable([4, 6]).entry is None
     cache.store([1, 2, 3, 4], [layer])  # evicts the least recently used: [5, 6, 7, 8]
-    assert cache.evictions == 1 and cache.lookup([5, 6, 7, 8, 0]).length == 2  # now only [5, 6, 9, 9] matches
+    assert cache.evictions == 1 and cache.reusable([5, 6, 7, 8, 0]).entry is None
+    assert cache.reusable([5, 6, 9, 9, 0]).length == 4
     cache.store(list(range(16)), [(torch.zeros(2, 16, 8), torch.zeros(2, 16, 8))])  # larger than the budget
     assert len(cache) == 2
     cache.clear()
-    assert cache.bytes == 0 and cache.lookup([1, 2, 3, 4, 5]).entry is None
+    assert cache.bytes == 0 and cache.reusable([1, 2, 3, 4, 5]).entry is None
 
 
 def test_the_engine_refuses_sliding_window_models_by_name():

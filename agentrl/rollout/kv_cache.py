@@ -6,9 +6,9 @@ accounted by tensor bytes). The engine reuses only entries a request's computati
 on the timing of (`reusable`): the longest entry the request extends (its episode's previous turn,
 so the next turn prefills only the tool or user output and the generation prompt; the extended
 entry is then dropped), or an entry holding all of the request's tokens but the last (a GRPO
-group's shared prompt, which the engine computes once and stores, see hf_engine). `lookup` finds
-the longest common prefix with any entry. Entries are evicted least recently used first once their
-bytes pass the budget; a miss simply prefills everything again. A weight update drops every entry.
+group's shared prompt, which the engine computes once and stores, see hf_engine). Entries are
+evicted least recently used first once their bytes pass the budget; a miss simply prefills
+everything again. A weight update drops every entry.
 
 The running batch (running_batch.py) copies a hit's keys and values into the row's slot.
 
@@ -69,27 +69,6 @@ class PrefixKVCache:
     def clear(self) -> None:
         self._entries.clear()
         self.bytes = 0
-
-    def lookup(self, ids: list[int]) -> Hit:
-        """The entry with the longest common prefix; at most len(ids) - 1 tokens are reused, since
-        the last one must be fed to get the next token's logits."""
-        if not self._entries or len(ids) < 2:
-            return Hit()
-        ids_T = torch.tensor(ids)
-        best = Hit()
-        for key, entry in self._entries.items():
-            n = min(len(entry.ids_T), len(ids))
-            if n <= best.length or entry.ids_T[0] != ids_T[0]:
-                continue
-            differ = (entry.ids_T[:n] != ids_T[:n]).nonzero()
-            common = n if len(differ) == 0 else int(differ[0])
-            if common > best.length:
-                best = Hit(entry, key, common, covers_entry=common == len(entry.ids_T))
-        if best.entry is None:
-            return Hit()
-        self._entries.move_to_end(best.key)
-        best.length = min(best.length, len(ids) - 1)
-        return best
 
     def reusable(self, ids: list[int]) -> Hit:
         """What the engine may reuse for `ids`: the longest entry that is a prefix of them (its
