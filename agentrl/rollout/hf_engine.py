@@ -13,7 +13,9 @@ without keeping every step's full vocabulary logits (`output_logits` would hold 
 vocab floats). transformers' own continuous batching (paged attention) was measured slower than
 padded decoding on CPU (FACTS.md), so the running batch stays padded. Between calls the engine keeps
 each request's keys and values in a prefix cache (kv_cache.py), so an episode's next turn prefills
-only its new tokens; a weight update with `flush_cache` drops that cache.
+only its new tokens; a weight update with `flush_cache` drops that cache. Models with
+sliding-window or linear-attention layers are refused at construction: neither the running batch's
+slots nor the prefix cache represent keys a layer drops.
 """
 
 from __future__ import annotations
