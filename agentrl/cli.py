@@ -22,7 +22,7 @@ RECIPE_COMMANDS = {
 def _recipe_command(args: argparse.Namespace) -> int:
     import importlib
 
-    from agentrl.config import load_recipe
+    from agentrl.recipe import load_recipe
 
     module, function, _ = RECIPE_COMMANDS[args.command]
     # a bad recipe stops before any heavy import
@@ -32,7 +32,7 @@ def _recipe_command(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from agentrl.config import load_recipe
+    from agentrl.recipe import load_recipe
 
     config = load_recipe(args.recipe, args.overrides)  # a bad recipe stops before the model loads
     from agentrl.serve.server import run_serve

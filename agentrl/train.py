@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from agentrl.algos.losses import kl_estimate
-from agentrl.config import AlgorithmConfig, RecipeConfig, check_training, to_yaml
+from agentrl.config import AlgorithmConfig, RecipeConfig
+from agentrl.recipe import check_training, to_yaml
 from agentrl.errors import RunFailed
 from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory

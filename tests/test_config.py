@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from agentrl.config import load_recipe
+from agentrl.recipe import load_recipe
 from agentrl.errors import ConfigError
 
 
@@ -55,11 +55,11 @@ def test_cli_rejects_bad_tool_file_before_loading_the_model(tmp_path):
 def test_readme_recipe_reference_matches_schema():
     from pathlib import Path
 
-    from agentrl.config import reference_markdown
+    from agentrl.recipe import reference_markdown
 
     readme = Path("README.md").read_text()
     block = readme.split("<!-- recipe-reference:start -->\n")[1].split("\n<!-- recipe-reference:end -->")[0]
-    assert block == reference_markdown(), "README recipe reference is stale: run python -m agentrl.config"
+    assert block == reference_markdown(), "README recipe reference is stale: run python -m agentrl.recipe"
 
 
 @pytest.mark.parametrize("command", ["train", "sft", "eval"])

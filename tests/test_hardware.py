@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agentrl import hardware
-from agentrl.config import load_recipe
+from agentrl.recipe import load_recipe
 from agentrl.errors import ConfigError
 from agentrl.hardware import choose_dtype
 

@@ -13,7 +13,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from agentrl.config import load_recipe
+from agentrl.recipe import load_recipe
 from agentrl.models import load_model
 from agentrl.rollout import run as run_module
 from agentrl.rollout.hf_engine import HFEngine

@@ -24,7 +24,8 @@ import httpx
 import pytest
 import torch
 
-from agentrl.config import SGLangConfig, load_recipe
+from agentrl.config import SGLangConfig
+from agentrl.recipe import load_recipe
 from agentrl.errors import ConfigError
 from agentrl.rollout import sglang_server
 from agentrl.rollout.run import build_engine

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.config import AlgorithmConfig, load_recipe
+from agentrl.config import AlgorithmConfig
+from agentrl.recipe import load_recipe
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.logprobs import pad_sequences, token_logprobs

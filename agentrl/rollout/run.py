@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from agentrl.config import RecipeConfig, to_yaml
+from agentrl.config import RecipeConfig
+from agentrl.recipe import to_yaml
 from agentrl.errors import ConfigError
 from agentrl.hardware import choose_dtype
 from agentrl.data import arithmetic_tasks, dataset_tasks

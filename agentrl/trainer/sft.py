@@ -77,7 +77,7 @@ def run_sft(config) -> str:
     import sys
     import time
 
-    from agentrl.config import to_yaml
+    from agentrl.recipe import to_yaml
     from agentrl.data import arithmetic_demonstrations, conversation_file
     from agentrl.hardware import choose_dtype
     from agentrl.models import load_model, load_tokenizer
