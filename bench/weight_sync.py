@@ -76,7 +76,7 @@ class Floor:
 def measure(roles, floor: Floor, bucket_mb: int, repeats: int, version: int) -> tuple[dict[str, list[float]], int]:
     """Alternating syncs and copies; the first of each is a warm-up (dropped). Returns the timings
     and the last weight version sent."""
-    from agentrl.trainer.launch import RaySink
+    from agentrl.trainer.ray_groups import RaySink
 
     timings: dict[str, list[float]] = {"sync": [], "flat": [], "per_tensor": []}
     for _ in range(1 + repeats):

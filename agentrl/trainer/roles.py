@@ -187,7 +187,7 @@ def start_roles(config: RecipeConfig, tokenizer: Any) -> Roles:
     """The backend the recipe asks for (trainer.backend)."""
     if config.trainer.backend == "ray":
         ray_environment(private=config.trainer.ray_address is None)
-        from agentrl.trainer.launch import RayRoles  # the only module that imports ray
+        from agentrl.trainer.launch import RayRoles  # imports ray
 
         return RayRoles(config, tokenizer)
     return LocalRoles(config, tokenizer)
