@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from agentrl.rollout.hf_engine import HFEngine, sample_tokens
+from agentrl.rollout.hf_engine import HFEngine
+from agentrl.rollout.sampling import sample_tokens
 from agentrl.types import SamplingParams
 from tests.conftest import make_tiny_llama
 

@@ -83,13 +83,10 @@ class EpisodeRunner:
             await interaction.start(task)
         traj.messages = task.messages(s.system_prompt)
         traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
-        scores: list[float] = []
-        turns, fallbacks = 0, 0
+        scores: list[float] = []  # the interaction's, one per reply
+        turns = fallbacks = 0
         try:
-            while True:
-                if turns >= s.max_turns:
-                    traj.finish = "max_turns"
-                    break
+            while turns < s.max_turns:
                 budget = min(s.max_new_tokens_per_turn, s.max_context_tokens - len(traj.token_ids))
                 if budget <= 0:
                     traj.finish = "length"
@@ -128,21 +125,25 @@ class EpisodeRunner:
                     break
                 traj.messages.extend(new)
                 traj.append(suffix, trainable=False)
+            else:  # the loop ran out of turns (every other way out of it breaks)
+                traj.finish = "max_turns"
         finally:
             tool_final = await env.finish()
             if interaction:
                 await interaction.finish()
-        traj.metrics.update(env.metrics)
-        traj.metrics["template_fallbacks"] = float(fallbacks)
-        outcome = self._outcome(task, traj.messages)
-        traj.reward = (outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
+        traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks))
+        self._reward(task, traj, env.step_rewards, tool_final, scores)
+
+    def _reward(self, task: Task, traj: Trajectory, step_rewards: list[float], tool_final: float,
+                scores: list[float]) -> None:
+        """The episode's reward: the outcome, plus the tool and interaction rewards the settings add."""
+        s = self.settings
+        outcome = outcome_reward(self.reward_fn, task, traj.messages)
+        traj.reward = (outcome + (sum(step_rewards) if s.tool_step_rewards else 0.0)
                        + (tool_final if s.tool_final_rewards else 0.0)
                        + (sum(scores) if s.interaction_scores else 0.0))
-        traj.metrics.update({"turns": float(turns), "outcome_reward": outcome, "tool_step_reward": sum(env.step_rewards),
+        traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(step_rewards),
                              "tool_final_reward": tool_final, "interaction_score": sum(scores)})
-
-    def _outcome(self, task: Task, messages: list[dict[str, Any]]) -> float:
-        return outcome_reward(self.reward_fn, task, messages)
 
 
 def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:

@@ -182,6 +182,11 @@ def create_app(tools: list[Tool], settings: ServerSettings) -> FastAPI:
 
 
 def _routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
+    _info_routes(app, host, auth)
+    _instance_routes(app, host, auth)
+
+
+def _info_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -189,6 +194,16 @@ def _routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
     @app.get("/tools", dependencies=[auth])
     async def list_tools() -> dict[str, Any]:
         return {"tools": [t.schema for t in host.tools.values()]}
+
+    @app.get("/stats", dependencies=[auth])
+    async def stats() -> dict[str, Any]:
+        return {"tools": {name: {op: s.as_dict() for op, s in ops.items()} for name, ops in host.stats.items()},
+                "live_instances": len(host.instances), "expired_instances": host.expired,
+                "responses": {str(status): n for status, n in sorted(host.responses.items())}}
+
+
+def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
+    """Create, execute, reward and release: a tool instance's life over HTTP."""
 
     @app.post("/instances", dependencies=[auth])
     async def create(body: CreateRequest) -> dict[str, Any]:
@@ -236,12 +251,6 @@ def _routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         host.instances.pop(instance_id, None)
         _, error = await host.call(name, "release", lambda: host.tools[name].release(instance_id))
         return {"error": error}
-
-    @app.get("/stats", dependencies=[auth])
-    async def stats() -> dict[str, Any]:
-        return {"tools": {name: {op: s.as_dict() for op, s in ops.items()} for name, ops in host.stats.items()},
-                "live_instances": len(host.instances), "expired_instances": host.expired,
-                "responses": {str(status): n for status, n in sorted(host.responses.items())}}
 
 
 async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:

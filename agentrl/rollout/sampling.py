@@ -1,0 +1,40 @@
+"""Drawing the next token of every running row from its logits, and the drawn token's logprob.
+
+The transformers engine samples itself (hf_engine.py says why it runs its own decode loop), so this
+is the one place its sampling settings (temperature, top-p) take effect.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled ids and their logprobs under softmax(logits / temperature), before top-p.
+
+    Temperature 0 is greedy, with logprobs of the unscaled distribution. The logprob reported is
+    of the distribution the trainer recomputes, so top-p truncation is not reflected in it.
+    Sampling inverts each row's cumulative distribution at one uniform draw: `torch.multinomial`
+    draws an exponential variate per vocabulary entry, 31 ms of a 160 ms decode step for 32 rows
+    of SmolLM2's 49k-token vocabulary, against about 2 ms for a cumulative sum and a search.
+    """
+    logits_BV = logits_BV.float()
+    if temperature <= 0:
+        logp_BV = torch.log_softmax(logits_BV, dim=-1)
+        ids_B = logp_BV.argmax(dim=-1)
+    else:
+        logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
+        probs_BV, order_BV = logp_BV.exp(), None
+        if top_p < 1.0:
+            probs_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+            outside_BV = probs_BV.cumsum(dim=-1) - probs_BV > top_p  # keeps at least the top token
+            probs_BV = probs_BV.masked_fill(outside_BV, 0.0)
+        cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
+        draw_B1 = torch.rand((len(cdf_BV), 1), generator=generator, dtype=torch.float64, device=cdf_BV.device)
+        # The first entry whose cumulative probability exceeds the draw: never one of probability 0.
+        ids_B = torch.searchsorted(cdf_BV, draw_B1 * cdf_BV[:, -1:], right=True).squeeze(1)
+        ids_B = ids_B.clamp(max=cdf_BV.shape[1] - 1)  # a draw that rounds onto the total
+        if order_BV is not None:
+            ids_B = order_BV.gather(1, ids_B[:, None]).squeeze(1)
+    return ids_B, logp_BV.gather(1, ids_B[:, None]).squeeze(1)
