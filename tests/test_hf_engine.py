@@ -140,36 +140,40 @@ def test_a_request_arriving_mid_decode_joins_and_a_short_row_leaves_early(tiny_m
 def test_rows_joining_and_leaving_on_a_script_decode_exactly_as_alone(tiny_model):
     """Joins and leaves at chosen steps, through the running batch's slots: a join into a freed slot
     of a wide enough buffer copies nothing that is running; a row longer than the running ones
-    makes room on the left; more rows than the buffer holds make it grow; a leave moves the last
-    row into the freed slot. Every row's ids and logprobs equal a lone generation's."""
+    (beyond the spare columns a new batch keeps) makes room on the left; more rows than the buffer
+    holds make it grow; a leave moves the last row into the freed slot. Rows joining running ones
+    share the running rows' forward pass. Every row's ids and logprobs equal a lone generation's."""
     from agentrl.rollout.running_batch import Row
 
     engine = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0, max_batch_size=8)
-    long_prompt = [1] + list(range(300, 340))  # longer than anything running when it joins
+    long_prompt = [1] + list(range(300, 500))  # longer than the running rows and their spare columns
     plan = {  # step -> rows joining then
         0: [("a", PROMPTS[0], 20), ("b", PROMPTS[1], 3)],
         5: [("c", PROMPTS[2], 6)],  # into b's freed slot: no reallocation
         7: [("d", long_prompt, 4)],  # room on the left
         8: [("e", PROMPTS[1], 5), ("f", PROMPTS[0], 2)],  # 5 rows in 4 slots: it grows
     }
-    step, results, buffers = 0, {}, []
-    original = engine._prefill
+    step, results, buffers, passes = 0, {}, [], []
 
-    def prefill(batch, rows):
-        before = batch.keys[0]
-        original(batch, rows)
-        buffers.append((rows[0].owner, before.data_ptr() == batch.keys[0].data_ptr() and before.numel() > 0))
+    def watched(join):
+        def run(batch, rows):
+            before = batch.keys[0]
+            join(batch, rows)
+            passes.append((join.__name__, len(batch) - len(rows)))
+            buffers.append((rows[0].owner, before.data_ptr() == batch.keys[0].data_ptr() and before.numel() > 0))
+        return run
 
     def admit(room):
         nonlocal step
         step += 1
         return [Row(p, greedy(n), owner=name) for name, p, n in plan.get(step, [])][:room]
 
-    engine._prefill = prefill
+    engine._prefill, engine._mixed = watched(engine._prefill), watched(engine._mixed)
     first = [Row(p, greedy(n), owner=name) for name, p, n in plan[0]]
     with torch.no_grad():
         engine._decode(first, lambda row: results.__setitem__(row.owner, row), admit)
     assert dict(buffers) == {"a": False, "c": True, "d": False, "e": False}
+    assert passes == [("_prefill", 0), ("_mixed", 1), ("_mixed", 2), ("_mixed", 3)]
     assert engine.stats["joined_requests"] == 4 and len(results) == 6
     for name, prompt, n in [spec for specs in plan.values() for spec in specs]:
         alone = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0).generate_batch([prompt], [greedy(n)])[0]
@@ -187,3 +191,41 @@ def test_a_failed_decode_reaches_its_caller_and_the_engine_keeps_serving(tiny_mo
         return await engine.generate(PROMPTS[0], greedy(3))
 
     assert len(asyncio.run(run()).token_ids) == 3
+
+
+def test_the_slot_attention_is_sdpa_outside_mixed_passes_and_is_not_saved(tmp_path):
+    """The engine switches its model's attention to `agentrl_slots` (packed_attention.py): every
+    ordinary forward pass (the trainer's, `score`'s, a padded batch) must give exactly SDPA's
+    numbers, and a checkpoint saved from the model must not name an attention other processes lack."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.rollout.packed_attention import NAME
+
+    model = make_tiny_llama()
+    ids = torch.tensor([[2, 2, 1, 504, 3459], [1, 9690, 28, 30, 253]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    want = model(input_ids=ids, attention_mask=mask).logits
+    engine = HFEngine(model, pad_token_id=2)
+    assert engine.mixed_passes and model.config._attn_implementation == NAME
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, want)
+    model.save_pretrained(tmp_path)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
+
+
+def test_a_model_without_sdpa_attention_joins_in_passes_of_its_own_with_the_same_tokens():
+    eager = make_tiny_llama()
+    eager.set_attn_implementation("eager")
+    separate, mixed = HFEngine(eager, pad_token_id=2), HFEngine(make_tiny_llama(), pad_token_id=2)
+    assert not separate.mixed_passes and eager.config._attn_implementation == "eager"
+
+    async def long_then_short(engine):
+        long = asyncio.create_task(engine.generate(PROMPTS[1], greedy(60)))
+        while engine.stats["requests"] == 0:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # the long row is decoding when the short one joins
+        return await engine.generate(PROMPTS[2], greedy(8)), await long
+
+    for got, want in zip(asyncio.run(long_then_short(separate)), asyncio.run(long_then_short(mixed))):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
+    assert separate.stats["joined_requests"] == mixed.stats["joined_requests"] == 1

@@ -4,8 +4,9 @@ Episodes call `await engine.generate(ids, sampling)` independently; a worker thr
 requests waiting at that moment (same sampling settings) and decodes them together, left-padded and
 KV-cached. The batch keeps running: a row that stops leaves it at once and its caller gets its
 tokens, and requests with the same settings that arrive meanwhile (episodes back from their tools)
-join it at the next step (running_batch.py), so no episode waits for the slowest row of a batch.
-The event loop keeps running tools throughout.
+join it at the next step (running_batch.py), so no episode waits for the slowest row of a batch;
+their new tokens go through the running rows' next decode step, packed into one forward pass
+(packed_attention.py). The event loop keeps running tools throughout.
 
 The decode loop is written here instead of calling `model.generate` because it needs per-row stop
 tokens and token budgets, rows joining and leaving mid-decode, and the sampled tokens' logprobs
@@ -29,10 +30,11 @@ from typing import Callable, Iterable
 import torch
 
 from agentrl.errors import ConfigError
-from agentrl.rollout.kv_cache import PrefixKVCache, plain_attention_layers
+from agentrl.rollout.kv_cache import PrefixKVCache, plain_attention_layers, plan_reuse
 from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
+from agentrl.rollout.packed_attention import install, packed
 from agentrl.types import Completion, SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
@@ -75,6 +77,7 @@ class HFEngine:
             raise ConfigError(f"engine 'hf' decodes models whose attention layers all keep every key; "
                               f"{type(model).__name__} has {', '.join(sorted(others))} layers. Use engine.name=sglang")
         self.prefix_cache = PrefixKVCache(kv_cache_bytes)  # 0 bytes turns prefix reuse off
+        self.mixed_passes = install(model)  # rows join running ones in one packed pass (SDPA models)
         self._pending: list[_Request] = []
         self._pending_lock = threading.Lock()  # the event loop adds requests, the decode thread takes them
         self._serving = False  # a decode thread is running (guarded by _pending_lock)
@@ -177,11 +180,15 @@ class HFEngine:
                              max_rows=max(self.max_batch_size, len(rows)))
         incoming = rows
         while incoming or len(batch):
-            if incoming:
-                self._prefill(batch, incoming)
             self._retire(batch, done)
-            if len(batch):
-                self._step(batch)
+            if incoming and len(batch) and self.mixed_passes:
+                self._mixed(batch, incoming)
+            else:
+                if incoming:
+                    self._prefill(batch, incoming)
+                    self._retire(batch, done)
+                if len(batch):
+                    self._step(batch)
             room = self.max_batch_size - len(batch)
             incoming = admit(room) if admit and room > 0 else []
             if len(batch):
@@ -189,40 +196,27 @@ class HFEngine:
 
     def _prefill(self, batch: RunningBatch, rows: list[Row]) -> None:
         """New rows' uncached tokens in one forward pass, their first token sampled, then they join."""
-        computed = self._reuse_plan(rows)
+        computed = plan_reuse(self.prefix_cache, self.model, rows)
         out = self.model(**batch.join_inputs(rows), logits_to_keep=1)
         batch.joined(self._sample(rows, out.logits[:, -1, :]))
+        self._count_join(rows, computed)
+
+    def _mixed(self, batch: RunningBatch, rows: list[Row]) -> None:
+        """The running rows' next token and the new rows' uncached tokens in one packed forward
+        pass (packed_attention.py), the new rows' first token sampled; then they run too."""
+        computed = plan_reuse(self.prefix_cache, self.model, rows)
+        inputs, plan = batch.mixed_inputs(rows)
+        with packed(plan):
+            out = self.model(**inputs)
+        batch.mixed_done(self._sample(batch.rows + rows, out.logits[0]))
+        self._count_join(rows, computed)
+
+    def _count_join(self, rows: list[Row], computed: int) -> None:
         self.stats["batches"] += 1
         self.stats["requests"] += len(rows)
         cached = sum(r.hit.length for r in rows)
         self.stats["prefill_tokens"] += sum(len(r.prompt) for r in rows) - cached + computed
         self.stats["cached_tokens"] += cached - computed
-
-    def _reuse_plan(self, rows: list[Row]) -> int:
-        """Set each row's cache hit so that how a request is computed never depends on which other
-        requests came first or arrived with it (that changes float rounding, and a resumed or
-        rescheduled run must sample the same tokens): rows reuse only what `reusable` allows. A row
-        with nothing to reuse first computes all its tokens but the last alone (batch 1, no
-        padding) and stores them, so the rows of a GRPO group, which share their prompt, compute it
-        once whether they arrive together or not. Returns the tokens those prefix passes computed."""
-        for row in rows:
-            row.hit = self.prefix_cache.reusable(row.prompt)
-        if self.prefix_cache.budget_bytes == 0:
-            return 0
-        computed = 0
-        for row in rows:
-            if row.hit.length or len(row.prompt) < 2:
-                continue
-            row.hit = self.prefix_cache.reusable(row.prompt)  # a row before it may have stored it
-            if not row.hit.length:
-                prefix = row.prompt[:-1]
-                out = self.model(input_ids=torch.tensor([prefix], device=self.device), use_cache=True,
-                                 logits_to_keep=1)
-                self.prefix_cache.store(prefix, [(layer.keys[0], layer.values[0])
-                                                 for layer in out.past_key_values.layers])
-                row.hit = self.prefix_cache.reusable(row.prompt)  # nothing when over the budget
-                computed += len(prefix) if row.hit.length else 0
-        return computed
 
     def _step(self, batch: RunningBatch) -> None:
         """One token for every running row."""

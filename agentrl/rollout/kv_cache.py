@@ -10,7 +10,8 @@ group's shared prompt, which the engine computes once and stores, see hf_engine)
 evicted least recently used first once their bytes pass the budget; a miss simply prefills
 everything again. A weight update drops every entry.
 
-The running batch (running_batch.py) copies a hit's keys and values into the row's slot.
+The running batch (running_batch.py) copies a hit's keys and values into the row's slot; `plan_reuse`
+sets the hits of the rows about to join it.
 
 Why not transformers' own: its caches hold one batch for one `generate` call, with no notion of
 entries that outlive it. This module is not a radix tree (siblings store their shared prompt once
@@ -112,3 +113,29 @@ class PrefixKVCache:
             _, evicted = self._entries.popitem(last=False)
             self.bytes -= evicted.nbytes
             self.evictions += 1
+
+
+def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list) -> int:
+    """Set each row's cache `hit` (rows: the running batch's `Row`s) so that how a request is
+    computed never depends on which other requests came first or arrived with it (that changes
+    float rounding, and a resumed or rescheduled run must sample the same tokens): rows reuse only
+    what `reusable` allows. A row with nothing to reuse first computes all its tokens but the last
+    alone (batch 1, no padding) and stores them, so the rows of a GRPO group, which share their
+    prompt, compute it once whether they arrive together or not. Returns the tokens those prefix
+    passes computed."""
+    for row in rows:
+        row.hit = cache.reusable(row.prompt)
+    if cache.budget_bytes == 0:
+        return 0
+    computed, device = 0, next(model.parameters()).device
+    for row in rows:
+        if row.hit.length or len(row.prompt) < 2:
+            continue
+        row.hit = cache.reusable(row.prompt)  # a row before it may have stored it
+        if not row.hit.length:
+            prefix = row.prompt[:-1]
+            out = model(input_ids=torch.tensor([prefix], device=device), use_cache=True, logits_to_keep=1)
+            cache.store(prefix, [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers])
+            row.hit = cache.reusable(row.prompt)  # nothing when over the budget
+            computed += len(prefix) if row.hit.length else 0
+    return computed

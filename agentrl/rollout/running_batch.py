@@ -12,18 +12,18 @@ exactly the columns holding its row's tokens, in order; other columns hold stale
   spare columns (one copy per ROOM steps).
 - Joining rows take slots n..n+J-1. Their cached keys and values (from the engine's prefix cache)
   are written right-aligned to end N columns before `end`, where N is the most new tokens any of
-  them brings, and their forward pass appends the new tokens in place into the last N columns, so
-  they end where the running rows end. The rows' layout within the block is
+  them brings, and their new tokens go in place into the last N columns, so they end where the
+  running rows end: in a forward pass of their own, or together with the running rows' next step
+  in one packed pass (`mixed_inputs`, packed_attention.py), ending one column later with them.
+  The rows' layout within the block is
   `[pad | cached | pad | new]`, with the mask hiding both gaps and position ids counting only real
   tokens, which is what each row would see alone (keys carry their rotary positions from when they
   were computed). The running rows are not touched.
 - A leaving row's slot is filled by the last running row (one row's columns copied), and columns no
   remaining row uses are dropped from the left by moving `start`.
 
-The previous design concatenated the running cache with every join and selected rows with every
-leave, copying the whole cache twice per change (once more at the next step's append): in the
-multi-turn loop of bench/rollout_efficiency.py, where every episode leaves for its tool and joins
-again, that was about a tenth of the rollout's time.
+Concatenating the running cache with every join and selecting rows with every leave (the design
+before this one) cost about a tenth of the multi-turn loop's time in bench/rollout_efficiency.py.
 
 Only plain full-attention cache layers (transformers' `DynamicLayer`) fit this layout; the engine
 refuses models with sliding-window or linear-attention layers. This module holds tensors and
@@ -40,6 +40,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agentrl.rollout.kv_cache import KV, Hit
+from agentrl.rollout.packed_attention import PackedPlan, ScatterLayer
 from agentrl.types import SamplingParams
 
 ROOM = 128  # spare columns per reallocation: one copy of the cache per ROOM decode steps
@@ -131,13 +132,14 @@ class RunningBatch:
 
     def _reserve(self, slots: int, left: int, right: int) -> None:
         """Make the buffers hold `slots` rows and columns [start - left, end + right) (reallocating,
-        with ROOM spare columns on the right, and on the left when it was short there, when they do
-        not)."""
+        with ROOM spare columns on either side, when they do not)."""
         have = self.keys[0].shape
         if slots <= have[0] and self.start - left >= 0 and self.end + right <= have[2]:
             return
         used, n = self.end - self.start, len(self.rows)
-        left += ROOM if left else 0  # rows that need room on the left (longer than the running ones) come in runs
+        # Spare columns on the left too: rows joining later with longer contexts than the running
+        # ones (episodes back from their tools) then fit without moving every running row.
+        left += ROOM
         width = left + used + right + ROOM
         if slots > have[0]:  # grow by doubling up to max_rows, so rows trickling in do not each copy the cache
             slots = max(slots, min(2 * have[0], self.max_rows))
@@ -152,38 +154,90 @@ class RunningBatch:
         self.keys, self.values = [moved(k) for k in self.keys], [moved(v) for v in self.values]
         self.start, self.end = left, left + used
 
-    def join_inputs(self, rows: list[Row]) -> dict[str, Any]:
-        """Lay out joining rows (their `hit`s set) in free slots and return their forward pass's
-        inputs; `joined` adopts them after it."""
+    def _place(self, rows: list[Row], right: int) -> tuple[list[int], list[int], torch.Tensor, int, int]:
+        """Lay out joining rows (their `hit`s set) in free slots n.. so that their new tokens will
+        end `right` columns after the running rows' (reserving those columns): their cached keys
+        and values are copied in and their `_Joining` is set. Returns each row's cached and new
+        token counts, their new tokens' positions (J, N) left-padded, and the columns [first, stop)
+        of their block."""
         cached = [r.hit.length for r in rows]
         new = [len(r.prompt) - c for r, c in zip(rows, cached)]
         width_c, width_n = max(cached), max(new)
         n, joining = len(self.rows), len(rows)
-        block = width_c + width_n  # the joining rows' columns: [end - block, end) once they ran
+        block = width_c + width_n  # the joining rows' columns: [stop - block, stop) once they ran
         if n:
-            self._reserve(n + joining, max(0, block - (self.end - self.start)), 0)
+            self._reserve(n + joining, max(0, block - (self.end + right - self.start)), right)
         else:
             self.start = self.end = 0
             self._reserve(joining, 0, block)
-            self.end = block
-        first = self.end - block
+            self.end = self.start + block - right
+        stop = self.end + right
+        first = stop - block
         for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
             for j, (row, c) in enumerate(zip(rows, cached)):
                 if c:
                     k_HTD, v_HTD = row.hit.entry.layers[layer]
                     keys[n + j, :, first + width_c - c:first + width_c] = k_HTD[:, :c]
                     values[n + j, :, first + width_c - c:first + width_c] = v_HTD[:, :c]
-        ids_BN = torch.full((joining, width_n), self.pad_token_id, dtype=torch.long)
         mask_BT = torch.zeros((joining, block), dtype=torch.long)
-        for j, (row, c, m) in enumerate(zip(rows, cached, new)):
-            ids_BN[j, width_n - m:] = torch.tensor(row.prompt[c:])
+        for j, (c, m) in enumerate(zip(cached, new)):
             mask_BT[j, width_c - c:width_c] = 1
             mask_BT[j, block - m:] = 1
         mask_BT = mask_BT.to(self.device)
         positions_BN = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
-        self._joining = _Joining(list(rows), mask_BT, positions_BN[:, -1] + 1, first, self.end)
-        return {"input_ids": ids_BN.to(self.device), "attention_mask": mask_BT, "position_ids": positions_BN,
-                "past_key_values": self._cache(slice(n, n + joining), first, first + width_c), "use_cache": True}
+        self._joining = _Joining(list(rows), mask_BT, positions_BN[:, -1] + 1, first, stop)
+        return cached, new, positions_BN, first, stop
+
+    def join_inputs(self, rows: list[Row]) -> dict[str, Any]:
+        """Lay out joining rows (their `hit`s set) in free slots and return their forward pass's
+        inputs, left-padded; `joined` adopts them after it."""
+        cached, new, positions_BN, first, stop = self._place(rows, 0)
+        ids_BN = torch.full(tuple(positions_BN.shape), self.pad_token_id, dtype=torch.long)
+        for j, (row, c, m) in enumerate(zip(rows, cached, new)):
+            ids_BN[j, ids_BN.shape[1] - m:] = torch.tensor(row.prompt[c:])
+        n = len(self.rows)
+        return {"input_ids": ids_BN.to(self.device), "attention_mask": self._joining.mask_BT,
+                "position_ids": positions_BN, "use_cache": True,
+                "past_key_values": self._cache(slice(n, n + len(rows)), first, stop - ids_BN.shape[1])}
+
+    def mixed_inputs(self, rows: list[Row]) -> tuple[dict[str, Any], PackedPlan]:
+        """One packed pass (packed_attention.py) for the running rows' next token and the joining
+        rows' new tokens: its inputs, and the plan attention follows. `mixed_done` adopts the result."""
+        n = len(self.rows)
+        cached, new, positions_BN, first, stop = self._place(rows, 1)
+        width_n = positions_BN.shape[1]
+        real_BN = torch.arange(width_n)[None, :] >= width_n - torch.tensor(new)[:, None]
+        ids = self.tokens_B.tolist() + [t for row, c in zip(rows, cached) for t in row.prompt[c:]]
+        slots = list(range(n)) + [n + j for j, m in enumerate(new) for _ in range(m)]
+        columns = [self.end] * n + [c for m in new for c in range(stop - m, stop)]
+        offsets = torch.tensor([n] + new[:-1]).cumsum(0) - (width_n - torch.tensor(new))  # packed index of grid column 0
+        grid_BN = torch.where(real_BN, offsets[:, None] + torch.arange(width_n), offsets[:, None] + width_n - 1)
+        block_mask_BT = self._joining.mask_BT.bool()
+        width_c = block_mask_BT.shape[1] - width_n
+        key_col, query_col = torch.arange(block_mask_BT.shape[1]), width_c + torch.arange(width_n)
+        causal_NT = key_col[None, :] <= query_col[:, None]
+        join_mask = (block_mask_BT[:, None, :] & causal_NT) | ((~real_BN)[:, :, None] & (key_col == query_col[:, None]))
+        self.mask_BT = torch.cat([self.mask_BT, self.mask_BT.new_ones((n, 1))], dim=1)
+        plan = PackedPlan(n, self.mask_BT.bool()[:, None, None, :], grid_BN.to(self.device),
+                          real_BN.to(self.device), join_mask[:, None].to(self.device), self.start, first, stop)
+        positions = torch.cat([self.next_pos_B.cpu(), positions_BN.cpu()[real_BN]])
+        cache = DynamicCache(config=self.config)
+        slots_T, columns_T = torch.tensor(slots, device=self.device), torch.tensor(columns, device=self.device)
+        cache.layers = [ScatterLayer(k, v, slots_T, columns_T) for k, v in zip(self.keys, self.values)]
+        # A 4-D attention mask is passed through untouched: the plan's masks are the ones attention uses.
+        inputs = {"input_ids": torch.tensor([ids], device=self.device), "position_ids": positions[None].to(self.device),
+                  "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device),
+                  "past_key_values": cache, "use_cache": True,
+                  "logits_to_keep": torch.tensor(list(range(n)) + [int(i) for i in grid_BN[:, -1]], device=self.device)}
+        self.end += 1
+        self.next_pos_B = self.next_pos_B + 1
+        return inputs, plan
+
+    def mixed_done(self, tokens_B: torch.Tensor) -> None:
+        """The pass `mixed_inputs` laid out ran and sampled `tokens_B`, running rows first."""
+        n = len(self.rows)
+        self.tokens_B = tokens_B[:n]
+        self.joined(tokens_B[n:])
 
     def joined(self, tokens_B: torch.Tensor) -> None:
         """The rows `join_inputs` laid out ran their forward pass and sampled `tokens_B`: they run now."""
