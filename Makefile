@@ -51,6 +51,7 @@ rollout: setup
 
 bench: setup
 	$(PY) bench/rollout_efficiency.py
+	$(PY) bench/mixed_pass.py
 	$(PY) bench/vs_trl.py
 	$(PY) bench/fsdp_overhead.py
 	$(PY) bench/weight_sync.py

@@ -164,12 +164,15 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=40)
     parser.add_argument("--cache", type=Path, default=Path("runs/bench/smollm2-calculator-sft"))
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    parser.add_argument("--separate-joins", action="store_true",
+                        help="rows joining the running batch get a forward pass of their own (as for non-SDPA models)")
     args = parser.parse_args()
     torch.manual_seed(0)
     flags = cpu_bf16_support()
     dtype = choose_dtype(args.dtype, "cpu")
     model, tokenizer = warmed_up_model(args.cache, args.warmup_steps, dtype.dtype)
     engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=64)
+    engine.mixed_passes = engine.mixed_passes and not args.separate_joins
     # First-call costs stay out of the timings. Every timed run goes through `generate`, so the same
     # decode thread serves all three: on a loaded 2-core machine torch ran 2.4x slower in the main
     # thread than in a worker thread, which would skew a comparison across the two.
@@ -180,7 +183,8 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.tasks} tasks x {args.group} episodes, temperature 0.8")
     print(f"cpu: AMX {'yes' if flags['amx'] else 'no'}, AVX512-BF16 {'yes' if flags['avx512_bf16'] else 'no'}; "
-          f"engine dtype {dtype.dtype} ({args.dtype}: {dtype.reason})")
+          f"engine dtype {dtype.dtype} ({args.dtype}: {dtype.reason}); joining rows in "
+          f"{'the decode step' if engine.mixed_passes else 'passes of their own'}")
     rounds = [one_round(engine, tokenizer, tasks, args, settings) for _ in range(args.rounds)]
     print(f"median over {args.rounds} rounds: loop/plain {statistics.median(r[0] for r in rounds):.2f} "
           f"(loop/plain-even {statistics.median(r[1] for r in rounds):.2f}), "
