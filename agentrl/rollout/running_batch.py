@@ -212,7 +212,7 @@ class RunningBatch:
         columns = [self.end] * n + [c for m in new for c in range(stop - m, stop)]
         offsets = torch.tensor([n] + new[:-1]).cumsum(0) - (width_n - torch.tensor(new))  # packed index of grid column 0
         grid_BN = torch.where(real_BN, offsets[:, None] + torch.arange(width_n), offsets[:, None] + width_n - 1)
-        block_mask_BT = self._joining.mask_BT.bool()
+        block_mask_BT = self._joining.mask_BT.bool().cpu()  # built beside the other index tensors, moved once
         width_c = block_mask_BT.shape[1] - width_n
         key_col, query_col = torch.arange(block_mask_BT.shape[1]), width_c + torch.arange(width_n)
         causal_NT = key_col[None, :] <= query_col[:, None]
@@ -228,7 +228,7 @@ class RunningBatch:
         inputs = {"input_ids": torch.tensor([ids], device=self.device), "position_ids": positions[None].to(self.device),
                   "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device),
                   "past_key_values": cache, "use_cache": True,
-                  "logits_to_keep": torch.tensor(list(range(n)) + [int(i) for i in grid_BN[:, -1]], device=self.device)}
+                  "logits_to_keep": torch.tensor(list(range(n)) + grid_BN[:, -1].tolist(), device=self.device)}
         self.end += 1
         self.next_pos_B = self.next_pos_B + 1
         return inputs, plan
