@@ -207,10 +207,10 @@ def test_weight_update_drops_the_cache(tiny_model, tokenizer):
 
 
 def test_prefix_cache_bookkeeping():
-    layer = (torch.zeros(2, 4, 8), torch.zeros(2, 4, 8))  # 2 heads, 4 tokens, 8 dims: 256 bytes each
+    kv = (torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))  # 1 layer, 2 heads, 4 tokens, 8 dims: 256 bytes each
     cache = PrefixKVCache(budget_bytes=2 * (512 + 32))
-    cache.store([5, 6, 7, 8], [layer])
-    cache.store([5, 6, 9, 9], [layer])
+    cache.store([5, 6, 7, 8], kv)
+    cache.store([5, 6, 9, 9], kv)
     assert cache.bytes == 2 * (512 + 32) and len(cache) == 2
     hit = cache.reusable([5, 6, 7, 8, 1])  # extends an entry: all of it, which its successor replaces
     assert (hit.length, hit.covers_entry) == (4, True)
@@ -219,10 +219,10 @@ def test_prefix_cache_bookkeeping():
     assert cache.reusable([5, 6, 9, 1]).length == 3
     assert cache.reusable([5, 6, 7, 1, 2]).entry is None  # a partial match (3 tokens) is not reused
     assert cache.reusable([4, 6]).entry is None
-    cache.store([1, 2, 3, 4], [layer])  # evicts the least recently used: [5, 6, 7, 8]
+    cache.store([1, 2, 3, 4], kv)  # evicts the least recently used: [5, 6, 7, 8]
     assert cache.evictions == 1 and cache.reusable([5, 6, 7, 8, 0]).entry is None
     assert cache.reusable([5, 6, 9, 9, 0]).length == 4
-    cache.store(list(range(16)), [(torch.zeros(2, 16, 8), torch.zeros(2, 16, 8))])  # larger than the budget
+    cache.store(list(range(16)), (torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 8)))  # larger than the budget
     assert len(cache) == 2
     cache.clear()
     assert cache.bytes == 0 and cache.reusable([1, 2, 3, 4, 5]).entry is None

@@ -236,18 +236,21 @@ class HFEngine:
     def _retire(self, batch: RunningBatch, done: Callable[[Row], None]) -> None:
         """Rows that stopped leave the batch: their keys and values go to the prefix cache, their
         result to the caller."""
-        finished = [i for i, row in enumerate(batch.rows) if row.done]
-        for i in finished:
-            row = batch.rows[i]
-            if self.prefix_cache.budget_bytes > 0:
+        finished = [row for row in batch.rows if row.done]
+        if not finished:
+            return
+        for i, row in enumerate(batch.rows):
+            if row.done and self.prefix_cache.budget_bytes > 0:
                 self.prefix_cache.store(row.fed_ids(), batch.row_kv(i),
                                         replaces=row.hit.key if row.hit.covers_entry else None)
+        batch.keep([i for i, row in enumerate(batch.rows) if not row.done])
+        self.stats["kv_cache_bytes"] = self.prefix_cache.bytes
+        self.stats["kv_cache_evictions"] = self.prefix_cache.evictions
+        # Callers hear last, after the copies: each result wakes an episode's own work (parsing,
+        # tools, the next prompt) in the event loop's thread, which would otherwise share the CPU with them.
+        for row in finished:
             self.stats["generated_tokens"] += len(row.ids)
             done(row)
-        if finished:
-            batch.keep([i for i, row in enumerate(batch.rows) if not row.done])
-            self.stats["kv_cache_bytes"] = self.prefix_cache.bytes
-            self.stats["kv_cache_evictions"] = self.prefix_cache.evictions
 
     @torch.no_grad()
     def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:

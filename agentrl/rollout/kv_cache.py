@@ -1,14 +1,15 @@
 """The transformers engine's prefix KV cache: an episode's keys and values kept between its turns.
 
 Every request leaves an entry when it stops: the token ids the model has seen (prompt plus every
-sampled token but the last, which was never fed back) and their per-layer keys and values (copies,
-accounted by tensor bytes). The engine reuses only entries a request's computation does not depend
-on the timing of (`reusable`): the longest entry the request extends (its episode's previous turn,
-so the next turn prefills only the tool or user output and the generation prompt; the extended
-entry is then dropped), or an entry holding all of the request's tokens but the last (a GRPO
-group's shared prompt, which the engine computes once and stores, see hf_engine). Entries are
-evicted least recently used first once their bytes pass the budget; a miss simply prefills
-everything again. A weight update drops every entry.
+sampled token but the last, which was never fed back) and their keys and values (copies, all
+layers stacked in one tensor so that a row moves in one copy, accounted by tensor bytes). The
+engine reuses only entries a request's computation does not depend on the timing of (`reusable`):
+the longest entry the request extends (its episode's previous turn, so the next turn prefills only
+the tool or user output and the generation prompt; the extended entry is then dropped), or an
+entry holding all of the request's tokens but the last (a GRPO group's shared prompt, which the
+engine computes once and stores, see hf_engine). Entries are evicted least recently used first
+once their bytes pass the budget; a miss simply prefills everything again. A weight update drops
+every entry.
 
 The running batch (running_batch.py) copies a hit's keys and values into the row's slot; `plan_reuse`
 sets the hits of the rows about to join it.
@@ -28,13 +29,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys_HTD, values_HTD)
+KV = tuple[torch.Tensor, torch.Tensor]  # keys and values of every layer, each (layers, kv_heads, tokens, head_dim)
 
 
 @dataclass
 class CacheEntry:
     ids_T: torch.Tensor  # int64, on the CPU: the tokens whose keys and values are held
-    layers: KV
+    kv: KV
     nbytes: int
 
 
@@ -98,15 +99,15 @@ class PrefixKVCache:
         self._entries.move_to_end(key)
         return hit
 
-    def store(self, ids: list[int], layers: KV, replaces: int | None = None) -> None:
+    def store(self, ids: list[int], kv: KV, replaces: int | None = None) -> None:
         """Add an entry (dropping `replaces`, an entry it extends), then evict down to the budget.
         An entry larger than the whole budget is not kept."""
-        nbytes = sum(t.numel() * t.element_size() for kv in layers for t in kv) + 8 * len(ids)
+        nbytes = sum(t.numel() * t.element_size() for t in kv) + 8 * len(ids)
         if nbytes > self.budget_bytes:
             return
         if replaces is not None and replaces in self._entries:
             self.bytes -= self._entries.pop(replaces).nbytes
-        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), layers, nbytes)
+        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), kv, nbytes)
         self._next_key += 1
         self.bytes += nbytes
         while self.bytes > self.budget_bytes:
@@ -135,7 +136,9 @@ def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list) -> int:
         if not row.hit.length:
             prefix = row.prompt[:-1]
             out = model(input_ids=torch.tensor([prefix], device=device), use_cache=True, logits_to_keep=1)
-            cache.store(prefix, [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers])
+            layers = out.past_key_values.layers
+            cache.store(prefix, (torch.stack([layer.keys[0] for layer in layers]),
+                                 torch.stack([layer.values[0] for layer in layers])))
             row.hit = cache.reusable(row.prompt)  # nothing when over the budget
             computed += len(prefix) if row.hit.length else 0
     return computed

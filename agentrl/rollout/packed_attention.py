@@ -49,6 +49,7 @@ class PackedPlan:
     start: int
     first: int
     end: int
+    _grouped: tuple[int, torch.Tensor] | None = None  # (group, join_mask repeated per group), built once per pass
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None) -> tuple[torch.Tensor, None]:
@@ -61,12 +62,25 @@ class PackedPlan:
                                                self.running_mask, scaling=scaling)
             out_THD[:n] = o_B1HD[:, 0]
         if joining:
-            q_JHND = q_HTD[:, self.join_grid].transpose(0, 1)
+            # Query heads grouped by the key head they share, as the queries of that head (the
+            # grouped-query trick transformers applies to one-token queries): no key or value is
+            # repeated per query head.
+            heads, kv_heads, width = q_HTD.shape[0], key.shape[1], self.join_grid.shape[1]
+            group = heads // kv_heads
+            q_JKGD = q_HTD[:, self.join_grid].view(kv_heads, group, joining, width, -1).permute(2, 0, 1, 3, 4)
             rows, columns = slice(n, n + joining), slice(self.first, self.end)
-            o_JNHD, _ = sdpa_attention_forward(module, q_JHND, key[rows, :, columns], value[rows, :, columns],
-                                               self.join_mask, scaling=scaling)
+            o_JKGD = torch.nn.functional.scaled_dot_product_attention(
+                q_JKGD.reshape(joining, kv_heads, group * width, -1), key[rows, :, columns], value[rows, :, columns],
+                attn_mask=self.grouped_join_mask(group), scale=scaling)
+            o_JNHD = o_JKGD.view(joining, heads, width, -1).transpose(1, 2)
             out_THD[n:] = o_JNHD[self.join_real]
         return out_THD[None], None
+
+    def grouped_join_mask(self, group: int) -> torch.Tensor:
+        """`join_mask` for queries grouped `group` per key head: (J, 1, group * N, end - first)."""
+        if self._grouped is None or self._grouped[0] != group:
+            self._grouped = group, self.join_mask.repeat(1, 1, group, 1)
+        return self._grouped[1]
 
 
 class ScatterLayer(DynamicLayer):

@@ -15,15 +15,11 @@ exactly the columns holding its row's tokens, in order; other columns hold stale
   them brings, and their new tokens go in place into the last N columns, so they end where the
   running rows end: in a forward pass of their own, or together with the running rows' next step
   in one packed pass (`mixed_inputs`, packed_attention.py), ending one column later with them.
-  The rows' layout within the block is
-  `[pad | cached | pad | new]`, with the mask hiding both gaps and position ids counting only real
-  tokens, which is what each row would see alone (keys carry their rotary positions from when they
-  were computed). The running rows are not touched.
+  The rows' layout within the block is `[pad | cached | pad | new]`, with the mask hiding both gaps
+  and position ids counting only real tokens, which is what each row would see alone (keys carry
+  their rotary positions from when they were computed). The running rows are not touched.
 - A leaving row's slot is filled by the last running row (one row's columns copied), and columns no
   remaining row uses are dropped from the left by moving `start`.
-
-Concatenating the running cache with every join and selecting rows with every leave (the design
-before this one) cost about a tenth of the multi-turn loop's time in bench/rollout_efficiency.py.
 
 Only plain full-attention cache layers (transformers' `DynamicLayer`) fit this layout; the engine
 refuses models with sliding-window or linear-attention layers. This module holds tensors and
@@ -113,9 +109,9 @@ class RunningBatch:
         self.rows: list[Row] = []
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        empty = torch.zeros((0, heads, 0, dim), dtype=dtype, device=device)
-        self.keys = [empty] * config.num_hidden_layers  # per layer (R, kv_heads, W, head_dim)
-        self.values = [empty] * config.num_hidden_layers
+        # All layers in one tensor (layers, R, kv_heads, W, head_dim): moving a row is one copy, not one per layer.
+        self.keys = torch.zeros((config.num_hidden_layers, 0, heads, 0, dim), dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
         self.start = self.end = 0  # the columns the running rows use
         self.mask_BT: torch.Tensor | None = None  # (n, end - start)
         self.next_pos_B: torch.Tensor | None = None
@@ -133,7 +129,7 @@ class RunningBatch:
     def _reserve(self, slots: int, left: int, right: int) -> None:
         """Make the buffers hold `slots` rows and columns [start - left, end + right) (reallocating,
         with ROOM spare columns on either side, when they do not)."""
-        have = self.keys[0].shape
+        have = self.keys.shape[1:]
         if slots <= have[0] and self.start - left >= 0 and self.end + right <= have[2]:
             return
         used, n = self.end - self.start, len(self.rows)
@@ -147,11 +143,11 @@ class RunningBatch:
             slots = have[0]
 
         def moved(old: torch.Tensor) -> torch.Tensor:
-            new = old.new_zeros((slots, old.shape[1], width, old.shape[3]))
-            new[:n, :, left:left + used] = old[:n, :, self.start:self.end]
+            new = old.new_zeros((old.shape[0], slots, old.shape[2], width, old.shape[4]))
+            new[:, :n, :, left:left + used] = old[:, :n, :, self.start:self.end]
             return new
 
-        self.keys, self.values = [moved(k) for k in self.keys], [moved(v) for v in self.values]
+        self.keys, self.values = moved(self.keys), moved(self.values)
         self.start, self.end = left, left + used
 
     def _place(self, rows: list[Row], right: int) -> tuple[list[int], list[int], torch.Tensor, int, int]:
@@ -173,12 +169,11 @@ class RunningBatch:
             self.end = self.start + block - right
         stop = self.end + right
         first = stop - block
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            for j, (row, c) in enumerate(zip(rows, cached)):
-                if c:
-                    k_HTD, v_HTD = row.hit.entry.layers[layer]
-                    keys[n + j, :, first + width_c - c:first + width_c] = k_HTD[:, :c]
-                    values[n + j, :, first + width_c - c:first + width_c] = v_HTD[:, :c]
+        for j, (row, c) in enumerate(zip(rows, cached)):
+            if c:
+                k_LHTD, v_LHTD = row.hit.entry.kv
+                self.keys[:, n + j, :, first + width_c - c:first + width_c] = k_LHTD[:, :, :c]
+                self.values[:, n + j, :, first + width_c - c:first + width_c] = v_LHTD[:, :, :c]
         mask_BT = torch.zeros((joining, block), dtype=torch.long)
         for j, (c, m) in enumerate(zip(cached, new)):
             mask_BT[j, width_c - c:width_c] = 1
@@ -254,9 +249,9 @@ class RunningBatch:
 
     def row_kv(self, index: int) -> KV:
         """Copies of one row's keys and values, its tokens in order."""
-        columns = self.mask_BT[index].nonzero().squeeze(1) + self.start
-        return [(k[index].index_select(1, columns), v[index].index_select(1, columns))
-                for k, v in zip(self.keys, self.values)]
+        runs = _runs(self.mask_BT[index])  # a few contiguous runs of columns: slices copy faster than an index
+        return tuple(torch.cat([buffer[:, index, :, self.start + a:self.start + b] for a, b in runs], dim=2)
+                     for buffer in (self.keys, self.values))
 
     def keep(self, indices: list[int]) -> None:
         """Only the rows at `indices` (ascending) stay: the last ones move into the freed slots."""
@@ -267,15 +262,12 @@ class RunningBatch:
         staying = set(indices)
         holes = [i for i in range(kept) if i not in staying]
         movers = [i for i in range(kept, n) if i in staying]
-        if holes:
-            to, frm = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
-            for buffer in self.keys + self.values:
-                buffer[to, :, self.start:self.end] = buffer[frm, :, self.start:self.end]
-            for name in ("mask_BT", "next_pos_B", "tokens_B"):
-                tensor = getattr(self, name)
-                tensor[to] = tensor[frm]
-            for hole, mover in zip(holes, movers):
-                self.rows[hole] = self.rows[mover]
+        for hole, mover in zip(holes, movers):  # slice copies: an index over slots is the slow path
+            for buffer in (self.keys, self.values):
+                buffer[:, hole, :, self.start:self.end] = buffer[:, mover, :, self.start:self.end]
+            for tensor in (self.mask_BT, self.next_pos_B, self.tokens_B):
+                tensor[hole] = tensor[mover]
+            self.rows[hole] = self.rows[mover]
         self.rows = self.rows[:kept]
         self.mask_BT, self.next_pos_B, self.tokens_B = self.mask_BT[:kept], self.next_pos_B[:kept], self.tokens_B[:kept]
         first = int(self.mask_BT.any(dim=0).nonzero()[0])
@@ -292,6 +284,12 @@ class RunningBatch:
         self.end += 1
         self.next_pos_B = self.next_pos_B + 1
         return inputs
+
+
+def _runs(mask_T: torch.Tensor) -> list[tuple[int, int]]:
+    """The [begin, end) column ranges where a mask row is 1, left to right."""
+    edges = torch.diff(torch.nn.functional.pad(mask_T.to(torch.int8), (1, 1))).nonzero().squeeze(1).tolist()
+    return list(zip(edges[::2], edges[1::2]))
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
