@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from agentrl.errors import ConfigError, RunFailed
@@ -27,14 +28,25 @@ def _recipe_command(args: argparse.Namespace) -> int:
     module, function, _ = RECIPE_COMMANDS[args.command]
     # a bad recipe stops before any heavy import
     config = load_recipe(args.recipe, args.overrides, for_training=args.command == "train")
+    _allocator()
     getattr(importlib.import_module(module), function)(config)
     return 0
+
+
+def _allocator() -> None:
+    """Run on tcmalloc where it is installed (agentrl/allocator.py: this may re-execute the command)."""
+    from agentrl.allocator import OPT_OUT, use_tcmalloc
+
+    name = use_tcmalloc()
+    hint = " (faster on CPU: install libtcmalloc-minimal4)" if name == "system" and not os.environ.get(OPT_OUT) else ""
+    print(f"agentrl: memory allocator {name}{hint}", file=sys.stderr)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from agentrl.recipe import load_recipe
 
     config = load_recipe(args.recipe, args.overrides)  # a bad recipe stops before the model loads
+    _allocator()
     from agentrl.serve.server import run_serve
 
     run_serve(config, args.host, args.port)

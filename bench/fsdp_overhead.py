@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from agentrl.allocator import use_tcmalloc
+
 from machine import Steal, machine_line
 
 SEQUENCES, PROMPT_TOKENS, COMPLETION_TOKENS = 8, (96, 160), (96, 160)
@@ -123,6 +125,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=1280,
                         help="padded tokens per forward/backward, on both sides")
     args = parser.parse_args()
+    use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the side processes inherit it: no load bars
 
     from agentrl.models import provision_builtin

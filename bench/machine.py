@@ -31,8 +31,10 @@ def bf16_flags() -> str:
 
 
 def machine_line(threads: str, dtype: str) -> str:
+    from agentrl.allocator import active_allocator  # here, not at the top: vs_trl's TRL side imports this module
+
     return (f"machine: {cpu_model()}, {os.cpu_count()} cores, {bf16_flags()}, torch {torch.__version__}, "
-            f"threads {threads}, dtype {dtype}")
+            f"threads {threads}, dtype {dtype}, memory allocator {active_allocator()}")
 
 
 class Steal:

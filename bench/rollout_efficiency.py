@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from agentrl.allocator import use_tcmalloc
 from agentrl.data import arithmetic_tasks
 from agentrl.env.rewards import gsm8k_reward
 from agentrl.hardware import choose_dtype, cpu_bf16_support
@@ -167,6 +168,7 @@ def main() -> None:
     parser.add_argument("--separate-joins", action="store_true",
                         help="rows joining the running batch get a forward pass of their own (as for non-SDPA models)")
     args = parser.parse_args()
+    allocator = use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
     torch.manual_seed(0)
     flags = cpu_bf16_support()
     dtype = choose_dtype(args.dtype, "cpu")
@@ -183,7 +185,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.tasks} tasks x {args.group} episodes, temperature 0.8")
     print(f"cpu: AMX {'yes' if flags['amx'] else 'no'}, AVX512-BF16 {'yes' if flags['avx512_bf16'] else 'no'}; "
-          f"engine dtype {dtype.dtype} ({args.dtype}: {dtype.reason}); joining rows in "
+          f"memory allocator {allocator}; engine dtype {dtype.dtype} ({args.dtype}: {dtype.reason}); joining rows in "
           f"{'the decode step' if engine.mixed_passes else 'passes of their own'}")
     rounds = [one_round(engine, tokenizer, tasks, args, settings) for _ in range(args.rounds)]
     print(f"median over {args.rounds} rounds: loop/plain {statistics.median(r[0] for r in rounds):.2f} "

@@ -12,7 +12,11 @@ TRL runs in its own virtual environment (.venv-trl, created on first use with a 
 pins never touch the project's; this script re-runs itself there with --trl-worker. agentrl runs
 in this interpreter through its real driver (agentrl.train.train).
 
-Prints the machine (CPU, its amx_bf16/avx512_bf16 flags, dtype) and, per side, where a step's
+Both sides run on the memory allocator agentrl's CLI uses (tcmalloc where installed, see
+agentrl/allocator.py), so the comparison is of the toolkits; --trl-allocator system gives TRL the
+system allocator, as a TRL user has it by default.
+
+Prints the machine (CPU, its amx_bf16/avx512_bf16 flags, dtype, allocator) and, per side, where a step's
 time goes: agentrl's rollout / logprobs / update / sync from its metrics; TRL's generation and
 scoring (`_generate_and_score_completions`, which includes its logprob passes) against the rest of
 the step (loss, backward, optimizer).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -106,8 +111,10 @@ def trl_worker(workload_path: str) -> None:
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    allocator = next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in maps), "system")
     print("TRL_RESULT " + json.dumps({"step_s": timer.times, "mean_completion_tokens": lengths,
-                                      "generate_s": TimedGRPOTrainer.generate_s}), flush=True)
+                                      "generate_s": TimedGRPOTrainer.generate_s, "allocator": allocator}), flush=True)
 
 
 # ------------------------------------------------------------------------------------------ agentrl side
@@ -143,11 +150,15 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="both sides: float32, or bf16 (TRL's bf16 flag, agentrl's engine and trainer dtype)")
     parser.add_argument("--trl-venv", default=".venv-trl")
+    parser.add_argument("--trl-allocator", choices=("same", "system"), default="same",
+                        help="TRL on the allocator agentrl runs on (tcmalloc where installed), or on the system's")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         return trl_worker(args.trl_worker)
+    from agentrl.allocator import use_tcmalloc
 
+    allocator = use_tcmalloc()  # agentrl/allocator.py; may run this script again with tcmalloc preloaded
     import torch
 
     from agentrl.data import arithmetic_tasks
@@ -164,17 +175,21 @@ def main() -> None:
     (out / "workload.json").write_text(json.dumps(workload))
 
     print(machine_line(str(torch.get_num_threads()), args.dtype), flush=True)
+    trl_env = dict(os.environ)
+    if args.trl_allocator == "system":
+        trl_env.pop("LD_PRELOAD", None)
     print(f"{args.prompts} prompts x {args.group} completions, up to {args.max_new_tokens} new tokens; "
           f"{args.steps} steps per side, the first is a warm-up", flush=True)
     ours = run_agentrl(model_path, args.steps, out / "agentrl", args.prompts, args.group, args.max_new_tokens,
                        args.dtype)
     done = subprocess.run([str(python), __file__, "--trl-worker", str(out / "workload.json")],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=trl_env)
     line = next((l for l in done.stdout.splitlines() if l.startswith("TRL_RESULT ")), None)
     if done.returncode != 0 or line is None:
         sys.exit(f"TRL run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     theirs = json.loads(line.removeprefix("TRL_RESULT "))
 
+    print(f"memory allocator: agentrl {allocator}, trl {theirs['allocator']}")
     rows = []
     for name, result in (("agentrl", ours), ("trl", theirs)):
         timed = result["step_s"][1:]

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from agentrl.allocator import use_tcmalloc
+
 from machine import Steal, machine_line
 
 
@@ -113,6 +115,7 @@ def main() -> None:
                         help="also measure with Ray copying tensors (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench/weight_sync"))
     args = parser.parse_args()
+    use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the actors inherit it: no load bars
     from agentrl.trainer.roles import ray_environment
 

@@ -18,6 +18,7 @@ def test_rollout_writes_jsonl_and_summary(tmp_path, tiny_model_dir):
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tool_configs:\n  - tool_configs/gsm8k.yaml" in done.stderr  # the effective config is printed
+    assert done.stderr.count("agentrl: memory allocator ") == 1  # said once, by the process that ran
     rows = [json.loads(line) for line in (out / "rollout.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and [r["group_id"] for r in rows] == ["arith-0-0"] * 2 + ["arith-0-1"] * 2 + ["arith-0-2"] * 2
     for row in rows:
