@@ -16,6 +16,16 @@ STAMP := $(VENV)/.installed
 RUNTIME_PACKAGES := libtcmalloc-minimal4
 SYSTEM_PACKAGES := $(RUNTIME_PACKAGES) chromium chromium-driver bubblewrap
 
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch must come first, or pip resolves a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
 # Installs what is missing (needs root or sudo); without them agentrl still runs (on the system
 # allocator) and the tests that need them skip and say so.
 define install_missing
