@@ -56,7 +56,8 @@ def ensure_trl_venv(path: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- TRL side
 def trl_worker(workload_path: str) -> None:
-    """Runs inside .venv-trl: imports only torch, datasets, transformers and trl."""
+    """Runs inside .venv-trl: imports only torch, datasets, transformers and trl (and, from this
+    checkout, agentrl's standard-library-only allocator module, to report the allocator)."""
     import re
 
     import torch
@@ -111,8 +112,10 @@ def trl_worker(workload_path: str) -> None:
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
-    allocator = next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in maps), "system")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # agentrl/allocator.py needs only the stdlib
+    from agentrl.allocator import active_allocator
+
+    allocator = active_allocator()
     print("TRL_RESULT " + json.dumps({"step_s": timer.times, "mean_completion_tokens": lengths,
                                       "generate_s": TimedGRPOTrainer.generate_s, "allocator": allocator}), flush=True)
 
