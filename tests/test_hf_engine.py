@@ -229,3 +229,27 @@ def test_a_model_without_sdpa_attention_joins_in_passes_of_its_own_with_the_same
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
     assert separate.stats["joined_requests"] == mixed.stats["joined_requests"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_steps_without_padding_group_query_heads_and_match_sdpa(monkeypatch, dtype):
+    """A decode step whose rows have no padding gets no mask from transformers, which then sends
+    one-token queries to SDPA's `enable_gqa` (slow on CPU in bfloat16); the engine's attention
+    groups the query heads per key head itself and must give SDPA's numbers."""
+    from agentrl.rollout import packed_attention
+
+    grouped = []
+    original = packed_attention.grouped_decode_attention
+    monkeypatch.setattr(packed_attention, "grouped_decode_attention",
+                        lambda *args: grouped.append(args[0].shape) or original(*args))
+    reference, model = make_tiny_llama().to(dtype), make_tiny_llama().to(dtype)
+    HFEngine(model, pad_token_id=2)
+    ids = torch.tensor([[1, 504, 3459, 28, 30], [1, 9690, 28, 30, 253]])
+
+    def last_step(m):
+        prefix = m(input_ids=ids[:, :-1], use_cache=True)
+        return m(input_ids=ids[:, -1:], past_key_values=prefix.past_key_values).logits
+
+    got, want = last_step(model), last_step(reference)
+    assert grouped == [(2, 4, 1, 16)] * 2  # both layers' one-token step: 2 rows, 4 query heads, head dim 16
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
