@@ -253,3 +253,23 @@ def test_one_token_steps_without_padding_group_query_heads_and_match_sdpa(monkey
     got, want = last_step(model), last_step(reference)
     assert grouped == [(2, 4, 1, 16)] * 2  # both layers' one-token step: 2 rows, 4 query heads, head dim 16
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, value_dim", [(6, 2, 16), (6, 2, 24), (4, 4, 16)])
+def test_grouped_decode_attention_equals_transformers_sdpa(heads, kv_heads, value_dim):
+    """Against transformers' own one-token SDPA attention: query heads in transformers' order
+    (query head h reads key head h // groups), a query that is a transposed view as the attention
+    modules pass it, values whose head size differs from the keys'."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from agentrl.rollout.packed_attention import grouped_decode_attention
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    query = torch.randn(3, 1, heads, 16).transpose(1, 2)  # (rows, heads, 1, dim), not contiguous
+    key, value = torch.randn(3, kv_heads, 7, 16), torch.randn(3, kv_heads, 7, value_dim)
+    want, _ = sdpa_attention_forward(module, query, key, value, None, scaling=None)
+    got, _ = grouped_decode_attention(query, key, value, None)
+    assert got.shape == want.shape == (3, 1, heads, value_dim)
+    torch.testing.assert_close(got, want)

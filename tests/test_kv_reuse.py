@@ -241,6 +241,23 @@ def test_the_engine_refuses_sliding_window_models_by_name():
         HFEngine(MistralForCausalLM(config), pad_token_id=0)
 
 
+
+def test_the_engine_refuses_models_whose_cached_keys_have_another_shape():
+    """Multi-head latent attention (DeepSeek-V3 here) caches keys and values of other shapes than
+    the config's heads and `head_dim`; the slot buffers are laid out from the config, so such a model
+    failed on its first request with a shape error inside the decode thread."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                              kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2)
+    model = DeepseekV3ForCausalLM(config)
+    # What it caches instead (the compressed latent, its own rotary keys) differs across transformers versions.
+    with pytest.raises(ConfigError, match=r"cache 4 key/value heads of size 8 per layer \(from the config\); "
+                                          r"DeepseekV3ForCausalLM caches keys \(\d+, 2, \d+\).* Use engine.name=sglang"):
+        HFEngine(model, pad_token_id=0)
+
 def test_the_rollout_returns_only_after_the_decode_thread_stopped(stopping_model, tokenizer):
     """The decode thread idles `batch_wait_s` after its last result before it stops; a rollout that
     returned meanwhile would let the process exit with that thread inside torch."""

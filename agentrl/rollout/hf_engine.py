@@ -29,8 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from agentrl.errors import ConfigError
-from agentrl.rollout.kv_cache import PrefixKVCache, plain_attention_layers, plan_reuse
+from agentrl.rollout.kv_cache import PrefixKVCache, check_cache_layout, plan_reuse
 from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
@@ -72,10 +71,7 @@ class HFEngine:
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
                       "joined_requests": 0, "kv_cache_bytes": 0, "kv_cache_evictions": 0}
-        others = plain_attention_layers(model.config)
-        if others:  # the running batch's slot layout and the prefix cache hold plain keys and values
-            raise ConfigError(f"engine 'hf' decodes models whose attention layers all keep every key; "
-                              f"{type(model).__name__} has {', '.join(sorted(others))} layers. Use engine.name=sglang")
+        check_cache_layout(model)  # the running batch and the prefix cache hold plain per-layer keys and values
         self.prefix_cache = PrefixKVCache(kv_cache_bytes)  # 0 bytes turns prefix reuse off
         self.mixed_passes = install(model)  # rows join running ones in one packed pass (SDPA models)
         self._pending: list[_Request] = []

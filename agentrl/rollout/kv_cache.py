@@ -17,7 +17,8 @@ sets the hits of the rows about to join it.
 Why not transformers' own: its caches hold one batch for one `generate` call, with no notion of
 entries that outlive it. This module is not a radix tree (siblings store their shared prompt once
 each) and not paged memory; it holds models whose every layer is a plain `DynamicLayer` (no sliding
-windows, no linear attention), the only ones the transformers engine decodes.
+windows, no linear attention) caching keys and values of the config's shape (`check_cache_layout`),
+the only ones the transformers engine decodes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from agentrl.errors import ConfigError
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys and values of every layer, each (layers, kv_heads, tokens, head_dim)
 
@@ -53,6 +56,35 @@ def plain_attention_layers(config) -> set[str]:
     """The names of the cache layer kinds this model builds other than the plain DynamicLayer
     (sliding windows, linear attention); empty when every layer keeps every key."""
     return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
+
+
+def kv_layout(config) -> tuple[int, int]:
+    """(key/value heads, head size) of every layer's cached keys and values, as the running batch
+    lays out its buffers, from the model's config."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_cache_layout(model: torch.nn.Module) -> None:
+    """ConfigError unless every layer of `model` caches plain keys and values of `kv_layout`'s
+    shape: not sliding windows or linear attention (by the config's cache layers), and not another
+    shape (checked on a 2-token forward pass: e.g. multi-head latent attention, whose keys and
+    values have head sizes of their own)."""
+    name = type(model).__name__
+    others = plain_attention_layers(model.config)
+    if others:
+        raise ConfigError(f"engine 'hf' decodes models whose attention layers all keep every key; "
+                          f"{name} has {', '.join(sorted(others))} layers. Use engine.name=sglang")
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        cache = model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True, logits_to_keep=1).past_key_values
+    heads, dim = kv_layout(model.config)
+    shapes = {f"{kind} {tuple(t.shape[1:])}" for layer in cache.layers
+              for kind, t in (("keys", layer.keys), ("values", layer.values)) if tuple(t.shape[1:]) != (heads, 2, dim)}
+    if shapes:
+        raise ConfigError(f"engine 'hf' decodes models that cache {heads} key/value heads of size {dim} per layer "
+                          f"(from the config); {name} caches {', '.join(sorted(shapes))} (heads, tokens, size) "
+                          f"for 2 tokens. Use engine.name=sglang")
 
 
 class PrefixKVCache:

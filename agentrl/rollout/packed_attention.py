@@ -119,13 +119,13 @@ def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torc
                              scaling: float | None) -> tuple[torch.Tensor, None]:
     """One-token queries without a mask (every row's columns all real), query heads grouped per key
     head. transformers hands this case to SDPA's `enable_gqa`, whose CPU kernel runs one-token
-    queries 4-6x slower in bfloat16 (SmolLM2's 9 query / 3 key heads, 300 keys: 0.22 vs 0.05 ms per
-    layer at batch 1, 6.4 vs 1.2 ms at batch 31); with a mask it groups the heads as done here."""
+    queries several times slower in bfloat16 (bench/decode_step.py); with a mask it groups the heads
+    as done here."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     out_BKGD = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(rows, kv_heads, heads // kv_heads, dim), key, value, scale=scaling)
-    return out_BKGD.reshape(rows, 1, heads, dim), None
+    return out_BKGD.reshape(rows, 1, heads, value.shape[-1]), None
 
 
 AttentionInterface.register(NAME, slot_attention)

@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from agentrl.rollout.kv_cache import KV, Hit
+from agentrl.rollout.kv_cache import KV, Hit, kv_layout
 from agentrl.rollout.packed_attention import PackedPlan, ScatterLayer
 from agentrl.types import SamplingParams
 
@@ -107,8 +107,7 @@ class RunningBatch:
         self.config, self.pad_token_id, self.device = config, pad_token_id, device
         self.max_rows = max_rows  # how many slots to grow to at once (more are added if asked for)
         self.rows: list[Row] = []
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads, dim = kv_layout(config)
         # All layers in one tensor (layers, R, kv_heads, W, head_dim): moving a row is one copy, not one per layer.
         self.keys = torch.zeros((config.num_hidden_layers, 0, heads, 0, dim), dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
