@@ -11,7 +11,6 @@ for each R, in bfloat16 and float32. Run: python bench/decode_step.py
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -19,9 +18,9 @@ import torch
 from transformers import DynamicCache
 
 from agentrl.allocator import use_tcmalloc
-from agentrl.hardware import cpu_bf16_support
 from agentrl.models import load_model
 from agentrl.rollout import packed_attention
+from machine import machine_line  # bench/machine.py, beside this script
 
 
 def step_seconds(model, cache: DynamicCache, tokens_B1: torch.Tensor, positions_B1: torch.Tensor) -> float:
@@ -40,11 +39,8 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=300)
     parser.add_argument("--trials", type=int, default=10, help="per side, alternating")
     args = parser.parse_args()
-    allocator = use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
-    flags = cpu_bf16_support()
-    print(f"cpu: {os.cpu_count()} cores, AMX {'yes' if flags['amx'] else 'no'}, "
-          f"AVX512-BF16 {'yes' if flags['avx512_bf16'] else 'no'}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; memory allocator {allocator}")
+    use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
+    print(machine_line(str(torch.get_num_threads()), "bfloat16, then float32"), flush=True)
     torch.manual_seed(0)
     for dtype in ("bfloat16", "float32"):
         model = load_model("smollm2-135m-instruct", dtype)

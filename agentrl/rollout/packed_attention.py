@@ -120,7 +120,8 @@ def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     """One-token queries without a mask (every row's columns all real), query heads grouped per key
     head. transformers hands this case to SDPA's `enable_gqa`, whose CPU kernel runs one-token
     queries several times slower in bfloat16 (bench/decode_step.py); with a mask it groups the heads
-    as done here."""
+    as done here. Written out rather than calling transformers' `pack_gqa`, which transformers
+    5.12 (the version SGLang pins, run by `make test-sglang`) does not have."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     out_BKGD = torch.nn.functional.scaled_dot_product_attention(
