@@ -13,18 +13,18 @@ with their ratio, for each J. SmolLM2-135M-Instruct; run: python bench/mixed_pas
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
 from agentrl.allocator import use_tcmalloc
-from agentrl.hardware import choose_dtype, cpu_bf16_support
+from agentrl.hardware import choose_dtype
 from agentrl.models import load_model
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.types import SamplingParams
+from machine import machine_line  # bench/machine.py, beside this script
 
 
 def one_join(engine: HFEngine, prompts: list[list[int]], joining: int, new: int, mixed: bool) -> float:
@@ -56,12 +56,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=6, help="per side and J, alternating")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     args = parser.parse_args()
-    allocator = use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
-    flags, dtype = cpu_bf16_support(), choose_dtype(args.dtype, "cpu")
-    print(f"cpu: {os.cpu_count()} cores, AMX {'yes' if flags['amx'] else 'no'}, "
-          f"AVX512-BF16 {'yes' if flags['avx512_bf16'] else 'no'}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; memory allocator {allocator}; "
-          f"dtype {dtype.dtype} ({args.dtype}: {dtype.reason})")
+    use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
+    dtype = choose_dtype(args.dtype, "cpu")
+    print(machine_line(str(torch.get_num_threads()), f"{dtype.dtype} ({args.dtype}: {dtype.reason})"))
     engine = HFEngine(load_model("smollm2-135m-instruct", dtype.dtype), pad_token_id=2, max_batch_size=64)
     torch.manual_seed(0)
     prompts = [torch.randint(100, 40_000, (300,)).tolist() for _ in range(32)]

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -38,7 +36,7 @@ import torch
 from agentrl.allocator import use_tcmalloc
 from agentrl.data import arithmetic_tasks
 from agentrl.env.rewards import gsm8k_reward
-from agentrl.hardware import choose_dtype, cpu_bf16_support
+from agentrl.hardware import choose_dtype
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.chat import ChatRenderer
@@ -49,6 +47,7 @@ from agentrl.tools.builtin.calculator import calculator, evaluate, format_number
 from agentrl.tools.parsers import parse_hermes
 from agentrl.trainer.sft import conversation_sample, sft_train
 from agentrl.types import SamplingParams, Task
+from machine import machine_line  # bench/machine.py, beside this script
 
 SYSTEM = "Solve the problem. Use the calculator tool for arithmetic, then state the final answer."
 
@@ -168,9 +167,8 @@ def main() -> None:
     parser.add_argument("--separate-joins", action="store_true",
                         help="rows joining the running batch get a forward pass of their own (as for non-SDPA models)")
     args = parser.parse_args()
-    allocator = use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
+    use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
     torch.manual_seed(0)
-    flags = cpu_bf16_support()
     dtype = choose_dtype(args.dtype, "cpu")
     model, tokenizer = warmed_up_model(args.cache, args.warmup_steps, dtype.dtype)
     engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=64)
@@ -182,10 +180,8 @@ def main() -> None:
     tasks = arithmetic_tasks(args.tasks, seed=0)
     settings = EpisodeSettings(max_turns=3, max_new_tokens_per_turn=96, max_context_tokens=1024,
                                temperature=0.8, system_prompt=SYSTEM)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.tasks} tasks x {args.group} episodes, temperature 0.8")
-    print(f"cpu: AMX {'yes' if flags['amx'] else 'no'}, AVX512-BF16 {'yes' if flags['avx512_bf16'] else 'no'}; "
-          f"memory allocator {allocator}; engine dtype {dtype.dtype} ({args.dtype}: {dtype.reason}); joining rows in "
+    print(machine_line(str(torch.get_num_threads()), f"{dtype.dtype} ({args.dtype}: {dtype.reason})"))
+    print(f"{args.tasks} tasks x {args.group} episodes, temperature 0.8; joining rows in "
           f"{'the decode step' if engine.mixed_passes else 'passes of their own'}")
     rounds = [one_round(engine, tokenizer, tasks, args, settings) for _ in range(args.rounds)]
     print(f"median over {args.rounds} rounds: loop/plain {statistics.median(r[0] for r in rounds):.2f} "

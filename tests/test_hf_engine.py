@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from agentrl.rollout.hf_engine import HFEngine
+from agentrl.rollout import sampling
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.types import SamplingParams
 from tests.conftest import make_tiny_llama
@@ -95,6 +96,34 @@ def test_sampling_draws_each_token_with_its_probability():
     torch.testing.assert_close(torch.bincount(ids, minlength=4) / len(ids),
                                torch.tensor([0.0, 0.3775, 0.6225, 0.0]), atol=0.006, rtol=0)
     torch.testing.assert_close(logp[ids == 2], torch.full_like(logp[ids == 2], 0.50648).log(), atol=1e-4, rtol=0)
+
+
+def test_top_p_orders_only_the_candidates_when_they_hold_the_nucleus_and_draws_what_a_full_sort_draws():
+    """Row 0 is peaked (its top 256 tokens hold more than 0.9), row 1 nearly flat over 1000
+    tokens (they hold about 0.26): the second makes the whole batch fall back to a full sort.
+    Either way every draw equals nucleus sampling by the definition, over a full sort."""
+
+    def by_definition(logits_BV, temperature, top_p, generator):
+        probs_BV = torch.log_softmax(logits_BV / temperature, -1).exp()  # as the engine computes them
+        probs_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        probs_BV = probs_BV.masked_fill(probs_BV.cumsum(-1) - probs_BV > top_p, 0.0)
+        cdf_BV = probs_BV.cumsum(-1, dtype=torch.float64)
+        draw_B1 = torch.rand((len(cdf_BV), 1), generator=generator, dtype=torch.float64)
+        return order_BV.gather(1, torch.searchsorted(cdf_BV, draw_B1 * cdf_BV[:, -1:], right=True)).squeeze(1)
+
+    torch.manual_seed(0)
+    peaked, flat = torch.randn(1, 1000) * 8, torch.randn(1, 1000) * 0.01
+    probs = torch.softmax(peaked, -1)
+    assert probs.topk(256).values.sum() > 0.9 and torch.softmax(flat, -1).topk(256).values.sum() < 0.3
+    sorted_probs, order = sampling.nucleus(probs, 0.9)
+    assert sorted_probs.shape == (1, 256) and bool((sorted_probs[0, :-1] >= sorted_probs[0, 1:]).all())
+    kept = int((sorted_probs > 0).sum())
+    assert probs[0, order[0, :kept - 1]].sum() <= 0.9 < probs[0, order[0, :kept]].sum()
+    for logits in (peaked, torch.cat([peaked, flat])):
+        for seed in range(20):
+            ids, logp = sample_tokens(logits, 1.0, 0.9, torch.Generator().manual_seed(seed))
+            assert ids.tolist() == by_definition(logits, 1.0, 0.9, torch.Generator().manual_seed(seed)).tolist()
+            torch.testing.assert_close(logp, torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1))
 
 
 def test_update_weights_in_place_changes_outputs_and_version(tiny_model):

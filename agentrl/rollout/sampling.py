@@ -27,9 +27,7 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
         logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
         probs_BV, order_BV = logp_BV.exp(), None
         if top_p < 1.0:
-            probs_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-            outside_BV = probs_BV.cumsum(dim=-1) - probs_BV > top_p  # keeps at least the top token
-            probs_BV = probs_BV.masked_fill(outside_BV, 0.0)
+            probs_BV, order_BV = nucleus(probs_BV, top_p)
         cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
         draw_B1 = torch.rand((len(cdf_BV), 1), generator=generator, dtype=torch.float64, device=cdf_BV.device)
         # The first entry whose cumulative probability exceeds the draw: never one of probability 0.
@@ -38,3 +36,23 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
         if order_BV is not None:
             ids_B = order_BV.gather(1, ids_B[:, None]).squeeze(1)
     return ids_B, logp_BV.gather(1, ids_B[:, None]).squeeze(1)
+
+
+NUCLEUS_CANDIDATES = 256
+
+
+def nucleus(probs_BV: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities in descending order, zero past its top-p nucleus (a token stays
+    while the mass before it is at most `top_p`, so the top token always stays), and their ids.
+
+    Only the `NUCLEUS_CANDIDATES` most likely tokens are ordered when they hold more than `top_p`
+    of every row's mass, which they almost always do: sorting a whole 49k vocabulary took 57 ms
+    for 32 rows on 2 cores, about half a decode step, against 3 ms for the top 256. A flatter row
+    sorts everything, with the same result."""
+    k = min(NUCLEUS_CANDIDATES, probs_BV.shape[-1])
+    top_BK, order_BK = probs_BV.topk(k, dim=-1)
+    cumulative_BK = top_BK.cumsum(dim=-1)
+    if k < probs_BV.shape[-1] and not bool((cumulative_BK[:, -1] > top_p).all()):
+        top_BK, order_BK = probs_BV.sort(dim=-1, descending=True)
+        cumulative_BK = top_BK.cumsum(dim=-1)
+    return top_BK.masked_fill(cumulative_BK - top_BK > top_p, 0.0), order_BK
