@@ -37,6 +37,8 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any, tools: list[Tool]):
         self.tokenizer = tokenizer
         self.schemas = [t.schema for t in tools] or None
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        self.special_texts = {t for t in tokenizer.all_special_tokens if t} | {t.content for t in added if t.special}
 
     def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
@@ -48,8 +50,36 @@ class ChatRenderer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def encode_rendered(self, text: str, messages: list[dict[str, Any]]) -> list[int]:
+        """Ids of `text`, a rendering that holds `messages`, in which the messages' own text can
+        never become control tokens: a tool's output or a task's prompt that contains the string
+        `<|im_end|>` would otherwise end its turn and open a turn the policy never wrote. Such a
+        content is encoded as plain text (what OpenAI's API does with user text); everything else,
+        as the whole rendering, so ids stay those of `encode(text)` whenever no content holds a
+        special token's text. System messages are the recipe's and are rendered as written."""
+        pieces, cursor = [], 0
+        for message in messages:
+            content = message.get("content")
+            if message.get("role") == "system" or not isinstance(content, str):
+                continue
+            special = next((t for t in self.special_texts if t in content), None)
+            if special is None:
+                continue
+            at = text.find(content, cursor)
+            if at < 0:
+                raise TemplateError(f"a {message.get('role')} message contains the special token text {special!r} "
+                                    "and the chat template does not render it verbatim, so it cannot be kept as text")
+            pieces += [(text[cursor:at], False), (content, True)]
+            cursor = at + len(content)
+        if not pieces:
+            return self.encode(text)
+        ids: list[int] = []
+        for piece, literal in pieces + [(text[cursor:], False)]:
+            ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=literal)["input_ids"]
+        return ids
+
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_text(messages, add_generation_prompt=True))
+        return self.encode_rendered(self.render_text(messages, add_generation_prompt=True), messages)
 
     def assistant_message(self, history: list[dict[str, Any]], text: str, parsed: ParsedTurn,
                           turn_ids: list[int]) -> tuple[dict[str, Any], bool]:
@@ -82,15 +112,20 @@ class ChatRenderer:
         current = self.decode(current_ids)
         full = self.render_text(history + new, add_generation_prompt=True)
         if full.startswith(current):
-            return self.encode(full[len(current):]), False
+            return self.encode_rendered(full[len(current):], new), False
         base = self.render_text(_FALLBACK_BASE, add_generation_prompt=False)
         extended = self.render_text(_FALLBACK_BASE + new, add_generation_prompt=True)
         if not extended.startswith(base):
             raise TemplateError("the chat template re-renders a finished assistant turn when messages follow it, "
                                 "so no suffix for the new messages can be derived")
-        eos = self.tokenizer.eos_token or ""
-        boundary = base[base.rfind(eos) + len(eos):] if eos and eos in base else ""
-        return self.encode(boundary + extended[len(base):]), True
+        # What the template puts after a turn's end token (a newline, for ChatML) is not sampled:
+        # it is the start of the suffix. The end token is the one the turn stopped on, which need
+        # not be the tokenizer's eos (Qwen's base models: eos <|endoftext|>, turns end <|im_end|>).
+        stopped_on = current_ids[-1:] if current_ids and current_ids[-1] in self.tokenizer.all_special_ids else []
+        ended = self.decode(stopped_on)
+        end = ended if ended and ended in base else (self.tokenizer.eos_token or "")
+        boundary = base[base.rfind(end) + len(end):] if end and end in base else ""
+        return self.encode_rendered(boundary + extended[len(base):], new), True
 
     def assistant_turn_ids(self, history: list[dict[str, Any]], message: dict[str, Any]) -> tuple[list[int], bool]:
         """Ids a policy would sample for a given assistant message (content, tool calls, end-of-turn

@@ -77,15 +77,16 @@ class EpisodeRunner:
         s = self.settings
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
                       lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
-        await env.start(uuid.uuid4().hex[:12], task)
-        interaction = self.interaction_factory() if self.interaction_factory else None
-        if interaction:
-            await interaction.start(task)
-        traj.messages = task.messages(s.system_prompt)
-        traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
+        interaction = None
         scores: list[float] = []  # the interaction's, one per reply
         turns = fallbacks = 0
-        try:
+        try:  # from here on, whatever fails, the tools' and the interaction's instances are released
+            await env.start(uuid.uuid4().hex[:12], task)
+            interaction = self.interaction_factory() if self.interaction_factory else None
+            if interaction:
+                await interaction.start(task)
+            traj.messages = task.messages(s.system_prompt)
+            traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
             while turns < s.max_turns:
                 budget = min(s.max_new_tokens_per_turn, s.max_context_tokens - len(traj.token_ids))
                 if budget <= 0:
@@ -147,8 +148,20 @@ class EpisodeRunner:
 
 
 def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end an assistant turn: the tokenizer's end of sequence and ChatML's <|im_end|>."""
-    return tuple({tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None})
+    """The ids that end an assistant turn: the special token the chat template closes an assistant
+    turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), the tokenizer's
+    end of sequence, and <|im_end|> where the vocabulary has it."""
+    ids = {tokenizer.eos_token_id}
+    if "<|im_end|>" in tokenizer.get_vocab():  # not convert_tokens_to_ids: that maps a missing token to <unk>
+        ids.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    try:
+        text = tokenizer.apply_chat_template(turn, tokenize=False) if getattr(tokenizer, "chat_template", None) else ""
+    except Exception:  # a template may refuse this probe (one that demands a system turn): eos is still there
+        text = ""
+    after = tokenizer(text[text.rfind("y") + 1:], add_special_tokens=False)["input_ids"][:1] if text else []
+    ids.update(i for i in after if i in tokenizer.all_special_ids)
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[str, Any]]) -> float:
