@@ -18,6 +18,9 @@ RECIPE_COMMANDS = {
     "eval": ("agentrl.rollout.run", "run_eval", "accuracy on held-out tasks"),
     "rollout": ("agentrl.rollout.run", "run_rollout", "run episodes and write trajectories to JSONL"),
 }
+# the device keys each command puts models on (SFT trains on the CPU): a CUDA one must exist
+DEVICE_KEYS = {"train": ("engine.device", "trainer.device"), "sft": (), "eval": ("engine.device",),
+               "rollout": ("engine.device",), "serve": ("engine.device",)}
 
 
 def _recipe_command(args: argparse.Namespace) -> int:
@@ -27,7 +30,8 @@ def _recipe_command(args: argparse.Namespace) -> int:
 
     module, function, _ = RECIPE_COMMANDS[args.command]
     # a bad recipe stops before any heavy import
-    config = load_recipe(args.recipe, args.overrides, for_training=args.command == "train")
+    config = load_recipe(args.recipe, args.overrides, for_training=args.command == "train",
+                         devices=DEVICE_KEYS[args.command])
     _allocator()
     getattr(importlib.import_module(module), function)(config)
     return 0
@@ -45,7 +49,8 @@ def _allocator() -> None:
 def _serve(args: argparse.Namespace) -> int:
     from agentrl.recipe import load_recipe
 
-    config = load_recipe(args.recipe, args.overrides)  # a bad recipe stops before the model loads
+    # a bad recipe stops before the model loads
+    config = load_recipe(args.recipe, args.overrides, devices=DEVICE_KEYS["serve"])
     _allocator()
     from agentrl.serve.server import run_serve
 
@@ -158,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = tools.add_parser("serve", help="serve a tool file over HTTP (bearer token, limits, /stats)")
     serve.add_argument("file", help="tool YAML file")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--port", type=_port, default=8765, help="port to listen on (default: 8765; 0: a free one)")
     serve.add_argument("--token", help="bearer token clients must send (default: $AGENTRL_TOOL_TOKEN)")
     serve.add_argument("--max-concurrency", type=int, default=32, help="tool calls running at once")
     serve.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body")

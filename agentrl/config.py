@@ -7,14 +7,42 @@ recipe.py reads a file and its overrides into this schema.
 
 from __future__ import annotations
 
+import re
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+def value_types(annotation: Any) -> tuple[set[Any], bool]:
+    """The types a field's annotation takes and whether it takes null: `int | None` → ({int}, True)."""
+    if annotation is None:
+        return set(), False
+    args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return {a for a in args if a is not type(None)}, type(None) in args
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for a number field; a boolean there is a mistake, not a number
+        kinds, _ = value_types(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+            raise ValueError("expected a number, not a boolean")
+        return value
+
+
+def _check_device(device: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError("expected 'cpu', 'cuda' or 'cuda:N'")
+    return device
+
+
+Device = Annotated[str, AfterValidator(_check_device)]
 
 
 class LoraSettings(_Section):
@@ -37,6 +65,9 @@ def _read_bf16_autocast(data: Any, section: str) -> Any:
         old = data.pop("bf16_autocast")
         if "dtype" in data:
             raise ValueError(f"{section}.bf16_autocast and {section}.dtype are both set; keep only dtype")
+        if not isinstance(old, bool):
+            raise ValueError(f"{section}.bf16_autocast: expected true or false (got {old!r}); "
+                             f"{section}.dtype replaces it")
         data["dtype"] = "bfloat16" if old else "float32"
     return data
 
@@ -102,7 +133,7 @@ class SGLangConfig(_Section):
 
 class EngineConfig(_Section):
     name: Literal["hf", "sglang"] = Field("hf", description="Inference engine: 'hf' (transformers) or 'sglang'.")
-    device: str = Field("cpu", description="Torch device of the engine.")
+    device: Device = Field("cpu", description="Torch device of the engine.")
     max_batch_size: int = Field(64, ge=1, description="Generate calls decoded together (hf).")
     seed: int = Field(0, description="Sampling seed.")
     kv_cache_bytes: int = Field(2 * 1024**3, ge=0, description="Memory for keys and values kept between an "
@@ -171,7 +202,7 @@ class TrainerConfig(_Section):
                                              "autocast, weights and optimizer state stay float32. " + DTYPE_AUTO)
     activation_checkpointing: bool = Field(False, description="Recompute decoder activations in the backward "
                                                             "pass: less memory per token, more compute.")
-    device: str = Field("cpu", description="Torch device of the policy, reference and critic models.")
+    device: Device = Field("cpu", description="Torch device of the policy, reference and critic models.")
     save_every: int = Field(0, ge=0, description="Every N steps save step_N/ (a model directory) and checkpoint/ "
                                                  "(resumable state); 0: only final/ at the end.")
     resume: Literal["never", "auto"] = Field(

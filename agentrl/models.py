@@ -117,13 +117,30 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, needs_to
         if not Path(chat_template).is_file():
             raise ConfigError(f"model.chat_template: '{chat_template}' is neither a builtin "
                               f"({', '.join(TEMPLATES)}) nor a file")
-        tokenizer.chat_template = Path(chat_template).read_text()
+        tokenizer.chat_template = read_template(chat_template)
     elif needs_tools and "tools" not in (tokenizer.chat_template or ""):
         print(f"agentrl: the chat template of {name_or_path} ignores tools; using 'hermes'", file=sys.stderr)
         tokenizer.chat_template = builtin_template("hermes")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def read_template(path: str) -> str:
+    """A Jinja chat template file, compiled as apply_chat_template compiles it, so that a syntax error
+    stops the run here rather than failing every episode."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        _compile_jinja_template(text)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"model.chat_template: {path}: not UTF-8 text (byte {e.object[e.start]:#04x} "
+                          f"at offset {e.start})") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"model.chat_template: {path}: line {e.lineno}: not valid Jinja ({e.message})") from None
+    return text
 
 
 def load_model(name_or_path: str, dtype: str = "float32"):

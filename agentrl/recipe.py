@@ -1,8 +1,11 @@
 """Reading a recipe: a YAML file plus dotted `key=value` overrides, validated against the schema in
 config.py into one RecipeConfig, or a one-line ConfigError naming the file and the key, raised
 before any model, tool or dataset is loaded. Also the checks `agentrl train` adds (settings that
-load but cannot train), the YAML a run writes beside its outputs, and the README's recipe
-reference, generated from the schema's field descriptions (`python -m agentrl.recipe`).
+load but cannot train), the check that a CUDA device the recipe names exists, the YAML a run
+writes beside its outputs, and the README's recipe reference, generated from the schema's field
+descriptions (`python -m agentrl.recipe`).
+
+Recipe files are read with yaml_files.load_yaml (UTF-8, no key repeated in a mapping).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from agentrl.config import RecipeConfig
+from agentrl.config import RecipeConfig, value_types
 from agentrl.errors import ConfigError
+from agentrl.yaml_files import load_yaml, one_line
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
@@ -41,8 +45,43 @@ def check_training(config: RecipeConfig) -> None:
                           f"({t.world_size})")
 
 
+NULLS = ("", "null", "Null", "NULL", "~")  # what YAML reads as null
+
+
+def field_annotation(parts: list[str]) -> Any:
+    """The annotation of the recipe field at a dotted path; None where the path names no field."""
+    node: Any = RecipeConfig
+    for part in parts:
+        if not (isinstance(node, type) and issubclass(node, BaseModel)) or part not in node.model_fields:
+            return None
+        node = node.model_fields[part].annotation
+    return node
+
+
+def override_value(override: str, key: str, raw: str) -> Any:
+    """The value of `key=raw` as its field reads it. Text fields take the raw text verbatim (YAML
+    would cut 'C# #1 priority' at a comment and read '#1 rule' as null); number fields take it as
+    decimal text for the schema to parse (YAML 1.1 reads '1:00' as 60, '0x10' as 16); lists,
+    mappings, booleans, choices and unknown keys are YAML ('[a, b]', 'true')."""
+    types, nullable = value_types(field_annotation(key.split(".")))
+    if not raw.strip() or (nullable and raw.strip() in NULLS):
+        return None
+    if types == {str}:
+        return raw
+    if types and types <= {int, float}:
+        return raw.strip()
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{override}': the value is not valid YAML ({one_line(e)})") from None
+    if value is None and raw.strip() not in NULLS:
+        raise ConfigError(f"override '{override}': the value reads as null in YAML (' #' starts a comment); "
+                          "write null for null")
+    return value
+
+
 def apply_override(data: dict[str, Any], override: str) -> None:
-    """Set `a.b.c=value` in nested dicts; the value is parsed as YAML ('3' → 3, '[a]' → list)."""
+    """Set `a.b.c=value` in nested dicts, the value read as the field's type (override_value)."""
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{override}': expected key=value")
@@ -53,46 +92,75 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override '{override}': '{'.'.join(parts[: i + 1])}' is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    node[parts[-1]] = override_value(override, key, raw)
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training: bool = False) -> RecipeConfig:
+def read_recipe_file(path: str | Path) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise ConfigError(f"{path}: recipe not found")
+    data = load_yaml(path)
+    if data is None:
+        raise ConfigError(f"{path}: empty recipe (it sets no key; an empty file would run every default)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections")
+    return data
+
+
+def check_devices(config: RecipeConfig, keys: tuple[str, ...]) -> None:
+    """Each CUDA device named at `keys` (dotted) exists, or a ConfigError naming the key. torch is
+    imported only when one of them names CUDA, so a CPU recipe stays free of it here."""
+    wanted = {key: device for key in keys if (device := config_value(config, key)).startswith("cuda")}
+    if not wanted:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for key, device in wanted.items():
+        if int(device.partition(":")[2] or 0) >= count:
+            seen = f"only {count} CUDA device{'s' * (count != 1)}" if count else "no CUDA device"
+            raise ConfigError(f"{key}: '{device}' is not available (torch {torch.__version__} sees {seen})")
+
+
+def config_value(config: BaseModel, key: str) -> Any:
+    value: Any = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training: bool = False,
+                devices: tuple[str, ...] = ()) -> RecipeConfig:
     """Recipe file + overrides → validated config, or a one-line ConfigError (naming the file).
-    With `for_training`, combinations that cannot train are rejected too (check_training)."""
-    data: dict[str, Any] = {}
+    With `for_training`, combinations that cannot train are rejected too (check_training); the
+    CUDA devices named at the dotted keys `devices` must exist (check_devices)."""
     source = str(path) if path else "<defaults>"
-    if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"{path}: recipe not found")
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: a recipe is a mapping of sections")
+    data = read_recipe_file(path) if path is not None else {}
     for override in overrides:
         apply_override(data, override)
     try:
         config = RecipeConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"{source}: {describe_error(e)}") from None
-    if for_training:
-        try:
+    try:
+        if for_training:
             check_training(config)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
+        check_devices(config, devices)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
     return config
 
 
 def describe_error(e: ValidationError) -> str:
     first = e.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
     more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
     if first["type"] == "extra_forbidden":
         return f"unknown key '{where}'{more}"
-    if not where:
-        return f"{first['msg']}{more}"
-    return f"{where}: {first['msg']} (got {first.get('input')!r}){more}"
+    # a check of a whole section (or of the recipe) names its keys itself; its input is the section
+    if not where or (first["type"] == "value_error" and isinstance(first.get("input"), dict)):
+        return f"{message}{more}"
+    return f"{where}: {message} (got {first.get('input')!r}){more}"
 
 
 def to_yaml(config: RecipeConfig) -> str:

@@ -96,6 +96,10 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
     check_training(config)
     print(to_yaml(config), file=sys.stderr)
     pool, tokenizer = load_driver_parts(config)  # the user's files are checked before any model loads
+    if config.rollout.agent:  # checked here too: a run that cannot start writes nothing
+        from agentrl.serve.agent import load_agent
+
+        load_agent(config)
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))

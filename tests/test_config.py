@@ -131,3 +131,143 @@ def test_an_empty_task_pool_is_a_config_error(tmp_path, command, key):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == f"agentrl: error: {key}: no tasks: ['{empty}'] has no rows"
+
+
+def test_an_override_value_that_is_not_yaml_names_the_override():
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/quickstart.yaml", ["data.files=[x"])
+    assert str(err.value) == (
+        "override 'data.files=[x': the value is not valid YAML (while parsing a flow sequence in \"<unicode string>\", "
+        "line 1, column 1: [x ^ expected ',' or ']', but got '<stream end>' in \"<unicode string>\", line 1, "
+        "column 3: [x ^)")
+
+
+@pytest.mark.parametrize("text", ["Reply in C# or F# #1 priority", "#1 rule: use tools", "[x", "yes", "1:00", " 3"])
+def test_text_overrides_are_taken_verbatim(text):
+    config = load_recipe("recipes/quickstart.yaml", [f"rollout.system_prompt={text}", f"name={text}"])
+    assert config.rollout.system_prompt == text and config.name == text
+
+
+def test_overrides_keep_null_lists_and_booleans_where_the_field_takes_them():
+    config = load_recipe("recipes/quickstart.yaml", [
+        "rollout.system_prompt=null", "model.chat_template=~", "algorithm.dual_clip=", "trainer.steps=12",
+        "trainer.lr=1e-5", "trainer.resume=true", "algorithm.kl_in_reward=false", "engine.sglang.extra_args={a: 1}"])
+    assert (config.rollout.system_prompt, config.model.chat_template, config.algorithm.dual_clip) == (None, None, None)
+    assert (config.trainer.steps, config.trainer.lr, config.trainer.resume) == (12, 1e-5, "auto")
+    assert config.algorithm.kl_in_reward is False and config.engine.sglang.extra_args == {"a": 1}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.steps=1:00", "trainer.steps: Input should be a valid integer, unable to parse string as an integer "
+                           "(got '1:00')"),
+    ("trainer.steps=0x10", "trainer.steps: Input should be a valid integer, unable to parse string as an integer "
+                           "(got '0x10')"),
+    ("trainer.steps=true", "trainer.steps: Input should be a valid integer, unable to parse string as an integer "
+                           "(got 'true')"),
+    ("trainer.lr=yes", "trainer.lr: Input should be a valid number, unable to parse string as a number (got 'yes')"),
+])
+def test_number_overrides_are_plain_decimal_text(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/quickstart.yaml", [override])
+    assert str(err.value) == f"recipes/quickstart.yaml: {message}"
+
+
+def test_an_override_that_yaml_reads_as_a_comment_is_refused():
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/quickstart.yaml", ["data.files=#1"])
+    assert str(err.value) == ("override 'data.files=#1': the value reads as null in YAML (' #' starts a comment); "
+                              "write null for null")
+
+
+def recipe_error(tmp_path, text: str | bytes) -> str:
+    recipe = tmp_path / "r.yaml"
+    (recipe.write_bytes if isinstance(text, bytes) else recipe.write_text)(text)
+    with pytest.raises(ConfigError) as err:
+        load_recipe(recipe)
+    return str(err.value).removeprefix(f"{recipe}: ")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("name: a\ntrainer:\n  steps: 3\ntrainer:\n  lr: 0.1\n", "key 'trainer' appears twice (lines 2 and 4)"),
+    ("trainer:\n  steps: 3\n  steps: 5\n", "key 'steps' appears twice (lines 2 and 3)"),
+    ("trainer: {steps: 3, lr: 0.1, steps: 4}\n", "key 'steps' appears twice (lines 1 and 1)"),
+    ("", "empty recipe (it sets no key; an empty file would run every default)"),
+    ("# only a comment\n", "empty recipe (it sets no key; an empty file would run every default)"),
+    (b"name: \xff\xfe\n", "not UTF-8 text (byte 0xff at offset 6)"),
+    ("trainer: {steps: true}\n", "trainer.steps: expected a number, not a boolean (got True)"),
+    ("trainer: {lr: yes}\n", "trainer.lr: expected a number, not a boolean (got True)"),
+])
+def test_recipe_files_that_would_load_something_else_than_written(tmp_path, text, message):
+    assert recipe_error(tmp_path, text) == message
+
+
+def test_merge_keys_may_override_what_they_merge(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  <<: {steps: 3, lr: 0.1}\n  steps: 5\n")
+    config = load_recipe(recipe)
+    assert (config.trainer.steps, config.trainer.lr) == (5, 0.1)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.bf16_autocast=maybe"], "trainer.bf16_autocast: expected true or false (got 'maybe'); "
+                                      "trainer.dtype replaces it"),
+    (["sft.bf16_autocast=null"], "sft.bf16_autocast: expected true or false (got None); sft.dtype replaces it"),
+    (["trainer.bf16_autocast=true", "trainer.dtype=float32"],
+     "trainer.bf16_autocast and trainer.dtype are both set; keep only dtype"),
+    (["data.arithmetic.min_digits=5"], "data.arithmetic.min_digits is larger than max_digits"),
+    (["engine.device=gpu"], "engine.device: expected 'cpu', 'cuda' or 'cuda:N' (got 'gpu')"),
+    (["trainer.device=cuda:x"], "trainer.device: expected 'cpu', 'cuda' or 'cuda:N' (got 'cuda:x')"),
+])
+def test_section_checks_are_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(None, overrides)
+    assert str(err.value) == f"<defaults>: {message}"
+
+
+@pytest.mark.parametrize("available,count,device,seen", [
+    (False, 0, "cuda", "no CUDA device"), (True, 2, "cuda:2", "only 2 CUDA devices"),
+    (True, 1, "cuda:1", "only 1 CUDA device")])
+def test_a_cuda_device_that_is_not_there_is_a_config_error(monkeypatch, available, count, device, seen):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    with pytest.raises(ConfigError) as err:
+        load_recipe(None, [f"trainer.device={device}"], devices=("engine.device", "trainer.device"))
+    assert str(err.value) == (f"<defaults>: trainer.device: '{device}' is not available "
+                              f"(torch {torch.__version__} sees {seen})")
+    load_recipe(None, [f"trainer.device={device}"], devices=("engine.device",))  # a device the command does not use
+    if available:
+        load_recipe(None, ["engine.device=cuda:0"], devices=("engine.device",))
+
+
+def test_cli_checks_the_cuda_device_before_loading_anything():
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml",
+                           "engine.device=cuda:99", "model.path=/nonexistent"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("agentrl: error: recipes/rollout_cpu.yaml: engine.device: 'cuda:99' is not available "
+                           "(torch "), line
+
+
+def test_a_broken_chat_template_stops_at_load(tmp_path, tiny_model_dir):
+    from agentrl.models import load_tokenizer
+
+    template = tmp_path / "bad.jinja"
+    template.write_text("{% for m in messages %}\n{{ m.content }{% endfor %}")
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(str(tiny_model_dir), str(template))
+    assert str(err.value) == f"model.chat_template: {template}: line 2: not valid Jinja (unexpected '}}')"
+    template.write_text("{% for m in messages %}{{ m.content }}{% generation %}x{% endgeneration %}{% endfor %}")
+    assert load_tokenizer(str(tiny_model_dir), str(template)).chat_template == template.read_text()
+
+
+def test_tools_serve_refuses_a_port_out_of_range(capsys):
+    from agentrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["tools", "serve", "tool_configs/calculator.yaml", "--token", "t", "--port", "70000"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "agentrl tools serve: error: argument --port: '70000' is not a port number (0-65535; 0 picks a free one)")

@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -221,6 +222,47 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_serving(served, token
     r = httpx.post(url, json=ok)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
     assert httpx.get(f"{server.base_url}/models").json()["data"][0]["id"] == "scripted"
+
+
+class HangingEngine(ScriptedEngine):
+    """Its first turn never ends unless cancelled (which it records); later turns answer at once."""
+
+    def __init__(self, tokenizer, turns):
+        super().__init__(tokenizer, turns)
+        self.cancelled = threading.Event()
+
+    async def generate(self, token_ids, sampling):
+        if not self.prompts:
+            self.prompts.append(token_ids)
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        return await super().generate(token_ids, sampling)
+
+
+def test_a_client_that_hangs_up_cancels_its_generation(served, tokenizer):
+    server, engine = served(None, engine=HangingEngine(tokenizer, ["unused", ANSWER]))
+    url, session = f"{server.base_url}/chat/completions", {"X-Agentrl-Session": "s1"}
+    body = {"messages": TASK.messages()}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(url, json=body, headers=session, timeout=0.5)
+    assert engine.cancelled.wait(5), "the generation went on after the client left"
+    r = httpx.post(url, json=body, headers=session, timeout=10)  # the session is free again
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
+    record = httpx.get(f"{server.base_url.removesuffix('/v1')}/agentrl/sessions/s1").json()
+    assert record["metrics"]["session_turns"] == 1  # the abandoned turn was not recorded
+
+
+def test_null_for_openais_nullable_fields_means_the_default(served, tokenizer):
+    server, _ = served([ANSWER])
+    body = {"messages": TASK.messages(), "n": None, "stream": None, "logprobs": None}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == ANSWER and r.json()["choices"][0]["logprobs"] is None
+    with pytest.raises(RequestError, match="^n: one choice per request is supported$"):
+        parse_request(json.dumps({**body, "n": 2}).encode())
 
 
 def test_messages_the_template_rejects_get_a_400(tokenizer):

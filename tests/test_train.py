@@ -494,3 +494,15 @@ def test_train_with_lora_through_the_cli(tmp_path, tiny_recipe):
     shards = sum(f.stat().st_size for f in (run / "checkpoints" / "step_2" / "policy").iterdir())
     base_bytes = 4 * sum(p.numel() for p in make_tiny_llama().parameters())
     assert shards < base_bytes / 10  # adapters and their Adam moments, not the 3.2 M base weights
+
+
+def test_train_checks_the_agent_before_it_writes_anything(tmp_path, tiny_recipe):
+    from agentrl.errors import ConfigError
+    from agentrl.train import train
+
+    recipe = tiny_recipe("rollout: {agent: 'nope_module:agent'}\n")
+    with pytest.raises(ConfigError) as err:
+        train(load_recipe(recipe))
+    assert str(err.value) == ("rollout.agent: cannot import module 'nope_module' "
+                              "(ModuleNotFoundError: No module named 'nope_module')")
+    assert not (tmp_path / "run").exists()

@@ -8,15 +8,19 @@ Every answer is JSON. The body is read by this module (not by FastAPI's paramete
 its size is capped while it streams in (413 past `max_body_bytes`) and so that a malformed body
 gets OpenAI's error shape with one line naming the field (400), which OpenAI clients surface as the
 exception message. An unexpected failure answers 500 with the exception's type only; the traceback
-goes to the server's log, never to the client.
+goes to the server's log, never to the client. A client that hangs up before its answer has its
+request's work cancelled (and its session's turn left unrecorded) rather than finished for nobody.
 
 This module does not sample or record; service.py does.
 """
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any, Coroutine, TypeVar
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from agentrl.serve.protocol import SESSION_HEADER, RequestError, error_body, parse_request
@@ -24,6 +28,8 @@ from agentrl.serve.service import ChatService
 from agentrl.serve.sessions import session_json
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection before the answer
+T = TypeVar("T")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -39,14 +45,36 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """The result of `work`, or None after cancelling it when the client hangs up first: nobody
+    would read the answer, and a session's turn is then not recorded."""
+    task = asyncio.ensure_future(work)
+    hangup = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled
+        hangup.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    # After the body, the server's next ASGI message for this request is its disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="agentrl", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
+    async def chat_completions(request: Request) -> Response:
         chat = parse_request(await read_body(request, max_body_bytes))
         session_id = request.headers.get(SESSION_HEADER) or chat.user
-        return JSONResponse(await service.complete(chat, session_id))
+        answer = await until_disconnected(request, service.complete(chat, session_id))
+        return Response(status_code=CLIENT_GONE) if answer is None else JSONResponse(answer)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -91,10 +91,10 @@ class ChatRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None  # OpenAI's nullable fields: null means the default
     top_logprobs: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = None
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -108,8 +108,8 @@ class ChatRequest(_Strict):
             except ValidationError as e:
                 raise ValueError(describe(e, prefix=f"tools.{i}.")) from None
         refused = [
-            (self.stream, "stream: streaming is not supported"),
-            (self.n != 1, "n: one choice per request is supported"),
+            (bool(self.stream), "stream: streaming is not supported"),
+            (self.n not in (None, 1), "n: one choice per request is supported"),
             (bool(self.stop), "stop: stop sequences are not supported; turns end at the end-of-turn token"),
             (bool(self.top_logprobs), "top_logprobs: only the sampled token's logprob is available"),
             (bool(self.frequency_penalty) or bool(self.presence_penalty),

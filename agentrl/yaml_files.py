@@ -1,0 +1,56 @@
+"""Reading a user's YAML file (a recipe, a tool or interaction file): UTF-8 text, PyYAML's safe
+loader, and a key repeated in one mapping is an error naming both lines rather than PyYAML's silent
+last-one-wins, which would drop a whole section without a word."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agentrl.errors import ConfigError
+
+
+class RepeatedKey(yaml.YAMLError):
+    def __init__(self, key: Any, first_line: int, line: int):
+        super().__init__(f"key '{key}' appears twice (lines {first_line} and {line})")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key repeated in one mapping raises RepeatedKey instead
+    of the last value silently winning."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first_lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` entries may be overridden
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in first_lines:
+                        raise RepeatedKey(key, first_lines[key], line)
+                    first_lines[key] = line
+                except TypeError:  # an unhashable key: the safe loader itself refuses it below
+                    pass
+        return super().construct_mapping(node, deep)
+
+
+def one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def load_yaml(path: str | Path) -> Any:
+    """A user's YAML file, parsed (None when it holds no document), or a one-line ConfigError naming
+    the file: not UTF-8, not valid YAML, or a key repeated in one mapping (with its lines)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except RepeatedKey as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({one_line(e)})") from None
