@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 from agentrl.tools.threads import DaemonExecutor
@@ -109,3 +110,37 @@ def test_daemon_executor_bounds_concurrency_and_skips_cancelled_calls():
     assert asyncio.run(main()) == [0, 1, 2]
     time.sleep(0.5)
     assert sorted(started) == [0, 1, 2] and executor.running == 0
+
+
+def test_calls_queued_behind_hung_ones_own_no_thread_and_cancelled_ones_never_run():
+    executor = DaemonExecutor(max_workers=2)
+    unblock = threading.Event()
+    ran: list[int] = []
+
+    def hang(i: int) -> int:
+        ran.append(i)
+        unblock.wait(10)
+        return i
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        threads_before = threading.active_count()
+        hung = [loop.run_in_executor(executor, hang, i) for i in range(2)]
+        for i in range(2, 52):  # 50 calls time out while queued behind the two hung ones
+            try:
+                await asyncio.wait_for(loop.run_in_executor(executor, hang, i), 0.001)
+            except asyncio.TimeoutError:
+                pass
+        assert threading.active_count() - threads_before == 2 and executor.running == 2
+        later = loop.run_in_executor(executor, hang, 99)  # queueing it drops the cancelled calls
+        assert executor.waiting == 1
+        unblock.set()
+        results = await asyncio.gather(*hung, later)
+        return results, threads_before
+
+    results, threads_before = asyncio.run(main())
+    assert results == [0, 1, 99] and sorted(ran) == [0, 1, 99]
+    deadline = time.monotonic() + 2
+    while executor.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert executor.running == 0 and executor.waiting == 0

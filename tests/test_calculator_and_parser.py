@@ -18,6 +18,7 @@ def test_evaluate(expr, value):
     ("__import__('os').system('true')", "is not allowed"), ("x + 1", "'x' is not allowed"),
     ("2 ** 1000", "exponent 1000 is larger than 64"), ("1 / 0", "division by zero"),
     ("1 +", "cannot parse"), ("9" * 600, "longer than 500"), ("(10 ** 60) * (10 ** 60)", "out of range"),
+    ("1e99 ** 4", "result out of range"),
 ])
 def test_evaluate_refuses(expr, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
@@ -26,6 +27,7 @@ def test_evaluate_refuses(expr, message):
 
 def test_calculator_tool_formats_and_reports_errors():
     assert calculator("10 / 4") == "2.5" and calculator("10 / 2") == "5"
+    assert calculator("1e99 ** 4") == "Error: result out of range"
     assert calculator("open('f')") == "Error: 'open('f')' is not allowed; use numbers, + - * / // % ** and ()"
     assert calculator.schema["function"]["parameters"]["required"] == ["expression"]
     assert "return" not in calculator.schema["function"]
@@ -60,3 +62,18 @@ def test_missing_arguments_default_to_empty_and_unclosed_tag_is_an_error():
 
 def test_plain_text_has_no_calls():
     assert parse_hermes("The answer is 4.").calls == [] and parse_hermes("The answer is 4.").errors == []
+
+
+@pytest.mark.parametrize("body,error", [
+    # The message quotes the call's first 200 characters.
+    ('{"name": "calculator", "arguments": ' + "[" * 3000 + "]" * 3000 + "}",
+     'the tool call is not valid JSON (nested too deeply): {"name": "calculator", "arguments": ' + "[" * 164),
+    ('{"name": "calculator", "arguments": {"expression": ' + "7" * 5000 + "}}",
+     "the tool call is not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has "
+     '5000 digits): {"name": "calculator", "arguments": {"expression": ' + "7" * 149),
+    ('{"name": "calculator", "arguments": "' + "[" * 3000 + '"}',
+     "the arguments of 'calculator' are a string that is not a JSON object"),
+])
+def test_json_past_pythons_limits_becomes_an_error(body, error):
+    turn = parse_hermes(f"<tool_call>{body}</tool_call>")
+    assert turn.calls == [] and turn.errors == [error]

@@ -189,6 +189,13 @@ def test_no_sandbox_mode_warns_and_still_limits(capsys):
     assert metrics["python_unsandboxed"] == 1.0
 
 
+def test_a_program_ended_by_a_realtime_signal_is_reported_with_its_output():
+    # Python's signal.Signals has no member for 40 (SIGRTMIN+6 on Linux).
+    text, metrics, _ = run("import os\nprint('before', flush=True)\nos.kill(os.getpid(), 40)", isolation="none")
+    assert text == "exit: killed by signal 40\n--- stdout ---\nbefore\n"
+    assert metrics["python_failed"] == 1.0 and metrics["python_limit_kills"] == 0.0
+
+
 def test_no_sandbox_mode_does_not_hang_on_a_detached_process():
     # Without a PID namespace a detached child outlives the call (as documented), but the call returns.
     text, _, elapsed = run("""
@@ -212,9 +219,9 @@ def test_bad_configuration_names_the_file_and_value(tmp_path):
                     "    config: {isolation: docker}\n")
     with pytest.raises(ConfigError) as e:
         load_tools(path)
-    assert str(e.value) == (f"{path}: tool #1 (class 'agentrl.tools.builtin.python_exec:PythonTool'): constructing "
-                            "agentrl.tools.builtin.python_exec:PythonTool with config {'isolation': 'docker'} failed: "
-                            "isolation must be auto, bwrap or none, not 'docker'")
+    assert str(e.value) == (f"{path}: tool #1 (class 'agentrl.tools.builtin.python_exec:PythonTool'): "
+                            "config.isolation = 'docker': expected Literal['auto', 'bwrap', 'none'] "
+                            "(Input should be 'auto', 'bwrap' or 'none')")
 
 
 @needs_bwrap

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from agentrl.env.tool_env import ToolLimits
+from agentrl.env.tool_env import ToolEnv, ToolLimits
+from agentrl.rollout.collect import summarize
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
-from agentrl.tools.base import ToolResult, tool
+from agentrl.tools.base import FunctionTool, ToolResult, tool
 from agentrl.tools.builtin.calculator import calculator
-from agentrl.tools.parsers import parse_hermes
-from agentrl.types import Task
+from agentrl.tools.parsers import ParsedTurn, parse_hermes
+from agentrl.types import Task, ToolCall
 from tests.conftest import ScriptedEngine
 
 FINAL = "The answer is 42."
@@ -104,7 +105,11 @@ def test_unknown_tool_and_bad_arguments(tokenizer):
 def test_calls_over_the_per_turn_limit_get_an_error(tokenizer):
     traj, tools = run(tokenizer, call("calculator", expression="1+1") * 3)
     assert [t["content"] for t in tools] == ["2", "2", "Error: not run; at most 2 tool calls per turn."]
-    assert traj.metrics["tool_calls"] == 2 and traj.metrics["tool_errors"] == 1
+    # The call not run counts as a call and as an error, so the error rate stays a share of calls.
+    assert traj.metrics["tool_calls"] == 3 and traj.metrics["tool_errors"] == 1
+    assert traj.metrics["tool/calculator/calls"] == 3 and traj.metrics["tool/calculator/errors"] == 1
+    summary = summarize([traj], 1.0)
+    assert summary["tool_error_rate"] == 1 / 3 and summary["tool/calculator/error_rate"] == 1 / 3
 
 
 def test_garbage_return_value_becomes_text(tokenizer):
@@ -180,6 +185,97 @@ def test_whatever_a_tool_returns_becomes_a_message_and_the_episode_goes_on(token
     # are dropped and counted; the valid metric is kept.
     assert traj.reward == 0.5 and traj.metrics["tool_step_reward"] == 0.5
     assert traj.metrics["tool_invalid_results"] == 3 and traj.metrics["good"] == 1.0 and "bad" not in traj.metrics
-    assert traj.metrics["tool_errors"] == 1  # reward() raised at the end ...
+    # reward() raised at the end: no call failed, the tool's lifecycle did ...
+    assert traj.metrics["tool_errors"] == 0 and traj.metrics["tool_lifecycle_errors"] == 1
     assert len(garbage.released) == 1  # ... and release() still ran: no leaked state
     json.dumps(traj.to_json()).encode("utf-8")  # the trajectory is writable as JSONL
+
+
+class Recorded:
+    """A tool that logs when its call starts and ends and when it is released."""
+
+    def __init__(self, log: list[str], name: str = "slow", seconds: float = 0.2, raises: BaseException | None = None):
+        self.log, self.seconds, self.raises = log, seconds, raises
+        self.schema = {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+    async def create(self, instance_id, **kwargs):
+        return instance_id
+
+    async def execute(self, instance_id, arguments):
+        name = self.schema["function"]["name"]
+        self.log.append(f"{name} start")
+        await asyncio.sleep(self.seconds)
+        self.log.append(f"{name} end")
+        if self.raises is not None:
+            raise self.raises
+        return "done"
+
+    async def reward(self, instance_id):
+        return None
+
+    async def release(self, instance_id):
+        self.log.append(f"{self.schema['function']['name']} released")
+
+
+def run_logged(tokenizer, tools, turn: str, log: list[str]):
+    engine = ScriptedEngine(tokenizer, [turn, FINAL])
+    runner = EpisodeRunner(engine, tokenizer, tools, parse_hermes, EpisodeSettings())
+    traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), group_id="g"))
+    log.append(f"episode {traj.finish}")
+    return traj, [m["content"] for m in traj.messages if m["role"] == "tool"]
+
+
+def test_a_schema_jsonschema_cannot_apply_becomes_a_message_after_the_sibling_call_ends(tokenizer):
+    async def lookup(key: str) -> str:
+        return "never runs"
+
+    # Built in code, so the loader's $ref check never saw it.
+    broken = FunctionTool(lookup, schema={"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"key": {"$ref": "#/$defs/missing"}}}}})
+    log: list[str] = []
+    traj, replies = run_logged(tokenizer, [Recorded(log), broken], call("slow") + call("lookup", key="k"), log)
+    assert replies == ["done", "Error: the arguments for lookup cannot be checked, its parameters schema is broken "
+                               "(_WrappedReferencingError: PointerToNowhere: '/$defs/missing' does not exist within "
+                               "{'type': 'object', 'properties': {'key': {'$ref': '#/$defs/missing'}}})."]
+    assert log == ["slow start", "slow end", "slow released", "episode stop"]
+    assert traj.metrics["tool_calls"] == 2 and traj.metrics["tool_errors"] == 1
+
+
+def test_a_tool_raising_cancelled_error_is_a_message_and_its_sibling_finishes_first(tokenizer):
+    log: list[str] = []
+    quick = Recorded(log, name="quick", seconds=0.0, raises=asyncio.CancelledError("connection dropped"))
+    traj, replies = run_logged(tokenizer, [Recorded(log), quick], call("slow") + call("quick"), log)
+    assert replies == ["done", "Error: quick failed: CancelledError"]  # asyncio drops the exception's text
+    assert log == ["slow start", "quick start", "quick end", "slow end", "slow released", "quick released",
+                   "episode stop"]
+    assert traj.metrics["tool_calls"] == 2 and traj.metrics["tool_errors"] == 1
+
+
+def test_cancelling_a_turn_waits_for_every_call_to_finish_its_cancellation():
+    log: list[str] = []
+
+    def cleaning_up(name: str, cleanup_s: float):
+        async def execute(instance_id, arguments):
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                await asyncio.sleep(cleanup_s)  # e.g. telling a server to stop the work
+                log.append(f"{name} cleaned up")
+                raise
+        tool = Recorded(log, name=name)
+        tool.execute = execute
+        return tool
+
+    async def main():
+        env = ToolEnv([cleaning_up("fast", 0.01), cleaning_up("slow", 0.1)], ToolLimits(), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        turn = asyncio.create_task(env.run_turn(ParsedTurn(calls=[ToolCall("fast", {}), ToolCall("slow", {})])))
+        await asyncio.sleep(0.05)
+        turn.cancel()
+        try:
+            await turn
+        except asyncio.CancelledError:
+            log.append("turn cancelled")
+
+    asyncio.run(main())
+    assert log == ["fast cleaned up", "slow cleaned up", "turn cancelled"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -61,7 +62,28 @@ def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
     ("tools:\n  - class: calculator\n    confg: {}\n",
      "tool #1 (class 'calculator'): unknown key 'confg' (allowed: class, config, schema)"),
     ("tools:\n  - class: check_answer\n    config: {tolerence: 1}\n",
-     "tool #1 (class 'check_answer'): constructing check_answer with config {'tolerence': 1} failed"),
+     "tool #1 (class 'check_answer'): config: unknown key 'tolerence' (allowed: tolerance)"),
+    ("tools:\n  - class: check_answer\n    config: {tolerance: [0.1]}\n",
+     "tool #1 (class 'check_answer'): config.tolerance = [0.1]: expected float (Input should be a valid number)"),
+    ("tools:\n  - class: check_answer\n    config: {tolerance: 1e-6x}\n",
+     "tool #1 (class 'check_answer'): config.tolerance = '1e-6x': expected float "
+     "(Input should be a valid number, unable to parse string as a number)"),
+    ("tools:\n  - class: tests.test_tool_loader:Schemaless\n    schema: {type: function, function: check}\n",
+     "tool #1 (class 'tests.test_tool_loader:Schemaless'): schema.function must be a mapping with name, "
+     "description and parameters"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, descripton: Add.}}\n",
+     "tool 'c' (#1): schema.function: unknown key 'descripton' (allowed: description, name, parameters, strict)"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, paramters: {type: object}}}\n",
+     "tool 'c' (#1): schema.function: unknown key 'paramters' (allowed: description, name, parameters, strict)"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, fuction: {name: c}}\n",
+     "tool #1 (class 'calculator'): schema: unknown key 'fuction' (allowed: function, type)"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, parameters: {type: object, "
+     "properties: {x: {$ref: '#/$defs/missing'}}}}}\n",
+     "tool 'c' (#1): schema.function.parameters: $ref '#/$defs/missing' does not point to a place inside the schema"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, parameters: {type: object, "
+     "properties: {x: {items: {$ref: 'https://example.com/item.json'}}}}}}\n",
+     "tool 'c' (#1): schema.function.parameters: $ref 'https://example.com/item.json' does not point to a place "
+     "inside the schema"),
     ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, parameters: {type: object, "
      "properties: {x: {type: banana}}}}}\n", "tool 'c' (#1): schema.function.parameters is not valid JSON Schema"),
     ("tools:\n  - class: not_registered\n", "'not_registered' is neither 'module:attr' nor a registered"),
@@ -73,6 +95,33 @@ def test_bad_tool_files(tmp_path, body, message):
     with pytest.raises(ConfigError) as err:
         load_tools(path)
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+def test_config_values_are_converted_to_the_constructors_types(tmp_path):
+    # YAML 1.1 reads 1e-6 (no dot) as text; the float parameter takes it as a number.
+    path = write(tmp_path, "tools:\n  - class: check_answer\n    config: {tolerance: 1e-6}\n")
+    [check] = load_tools(path)
+    assert check.tolerance == 1e-06 and type(check.tolerance) is float
+    asyncio.run(check.create("e", ground_truth="#### 3"))
+    assert asyncio.run(check.execute("e", {"answer": "3"})).text == "Correct."
+
+
+def test_refs_that_resolve_inside_the_schema_load(tmp_path):
+    path = write(tmp_path, """
+        tools:
+          - class: calculator
+            schema:
+              type: function
+              function:
+                name: c
+                strict: true
+                parameters:
+                  type: object
+                  properties: {expression: {$ref: '#/$defs/text'}, more: {type: array, items: {$ref: '#/$defs/text'}}}
+                  $defs: {text: {type: string}}
+        """)
+    [calc] = load_tools(path)
+    assert calc.schema["function"]["parameters"]["properties"]["expression"] == {"$ref": "#/$defs/text"}
 
 
 def test_duplicate_across_files(tmp_path):
@@ -105,3 +154,14 @@ def test_cli_check_fails_with_one_line(tmp_path, body, problem):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"agentrl: error: {path}: ") and problem in lines[0]
     assert "Traceback" not in done.stderr
+
+
+def test_a_tool_file_with_a_repeated_key_names_both_lines(tmp_path):
+    from agentrl.errors import ConfigError
+    from agentrl.tools.loader import load_tool_files
+
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - class: agentrl.tools.builtin.calculator.calculator\n"
+                    "    class: agentrl.tools.builtin.calculator.calculator\n")
+    with pytest.raises(ConfigError, match=f"^{path}: key 'class' appears twice \\(lines 2 and 3\\)$"):
+        load_tool_files([path])

@@ -16,12 +16,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from agentrl.errors import ConfigError
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.tools.base import FunctionTool
 from agentrl.tools.loader import load_tools
 from agentrl.tools.parsers import parse_hermes
 from agentrl.tools.remote import RemoteTool, RemoteToolError, RemoteTools
+from agentrl.tools.server import ServerSettings, create_app
 from agentrl.types import Task
 from tests.conftest import ScriptedEngine
 
@@ -154,13 +157,22 @@ def test_wrong_token_in_the_tool_file_is_a_config_error(server, tmp_path, monkey
         f"{server}: HTTP 401: missing or wrong bearer token")
 
 
-def test_a_literal_token_never_appears_in_errors(tmp_path):
+@pytest.mark.parametrize("config,problem", [
+    ("{url: 'http://127.0.0.1:9', token: hunter2, retries: 0}",
+     "constructing agentrl.tools.remote:RemoteTools with config {'url': 'http://127.0.0.1:9', 'token': '***', "
+     "'retries': 0} failed: cannot list the tools of http://127.0.0.1:9: http://127.0.0.1:9/tools: ConnectError: "
+     "All connection attempts failed (after 1 attempts)"),
+    ("{url: 'http://127.0.0.1:9', token: [hunter2]}",
+     "config.token = '***': expected str | None (Input should be a valid string)"),
+    ("{url: 'http://127.0.0.1:9', token: hunter2, tools: nope}",
+     "config.tools = 'nope': expected list[str] | None (Input should be a valid list)"),
+])
+def test_a_literal_token_never_appears_in_errors(tmp_path, config, problem):
     path = tmp_path / "remote.yaml"
-    path.write_text("tools:\n  - class: agentrl.tools.remote:RemoteTools\n"
-                    "    config: {url: 'http://127.0.0.1:9', token: hunter2, tools: nope, bogus: 1}\n")
+    path.write_text(f"tools:\n  - class: agentrl.tools.remote:RemoteTools\n    config: {config}\n")
     with pytest.raises(ConfigError) as e:
         load_tools(path)
-    assert "hunter2" not in str(e.value) and "'token': '***'" in str(e.value)
+    assert str(e.value) == f"{path}: tool #1 (class 'agentrl.tools.remote:RemoteTools'): {problem}"
 
 
 def test_episode_through_the_remote_tools(server, tmp_path, monkeypatch, tokenizer):
@@ -262,3 +274,20 @@ def test_serve_refuses_to_start_without_a_token(tmp_path):
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr == "agentrl: error: tools serve needs a bearer token: pass --token or set AGENTRL_TOOL_TOKEN\n"
+
+
+def test_arguments_a_broken_schema_cannot_check_get_422_not_a_crash():
+    async def lookup(key: str) -> str:
+        return "never runs"
+
+    # Hosted from code, so the loader's $ref check never saw it.
+    broken = FunctionTool(lookup, schema={"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"key": {"$ref": "#/$defs/missing"}}}}})
+    with TestClient(create_app([broken], ServerSettings(token=TOKEN)),
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        instance = client.post("/instances", json={"tool": "lookup"}).json()["instance_id"]
+        reply = client.post(f"/instances/{instance}/execute", json={"arguments": {"key": "k"}})
+    assert (reply.status_code, reply.json()) == (422, {"detail": (
+        "the arguments for lookup cannot be checked, its parameters schema is broken (_WrappedReferencingError: "
+        "PointerToNowhere: '/$defs/missing' does not exist within "
+        "{'type': 'object', 'properties': {'key': {'$ref': '#/$defs/missing'}}}).")})

@@ -3,6 +3,11 @@
 Everything that can go wrong with a tool (an unknown name, bad arguments, an exception, a hang,
 garbage or a megabyte of output, more calls than allowed) becomes a tool message the model reads
 and a counted metric; nothing here raises into the episode loop.
+
+Counters: every call the model made counts in `tool_calls` (those over the per-turn limit too, as
+errors), and `tool_errors` counts the calls among them that did not return a result, so
+`tool_errors / tool_calls` is at most 1. Failures of `create`, `reward` and `release`, which no call
+made, count in `tool_lifecycle_errors`.
 """
 
 from __future__ import annotations
@@ -12,9 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import jsonschema
-
-from agentrl.tools.base import Tool, ToolResult, as_text, finite_number, tool_name
+from agentrl.tools.base import Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.types import Task, ToolCall
 
@@ -34,8 +37,8 @@ class ToolEnv:
         self.truncate = truncate  # text → (text within the token budget, whether it was cut)
         self.instance_ids: dict[str, str] = {}
         self.metrics: dict[str, float] = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
-                                          "parse_errors": 0, "tool_truncations": 0, "tool_invalid_results": 0,
-                                          "tool_latency_s": 0.0}
+                                          "tool_lifecycle_errors": 0, "parse_errors": 0, "tool_truncations": 0,
+                                          "tool_invalid_results": 0, "tool_latency_s": 0.0}
         self.step_rewards: list[float] = []
 
     async def start(self, episode_id: str, task: Task) -> None:
@@ -45,16 +48,21 @@ class ToolEnv:
                 self.instance_ids[name] = await asyncio.wait_for(
                     t.create(f"{episode_id}/{name}", **kwargs), self.limits.timeout_s) or f"{episode_id}/{name}"
             except Exception:  # a tool that cannot start is reported at its first call
-                self.metrics["tool_errors"] += 1
+                self.metrics["tool_lifecycle_errors"] += 1
 
     async def run_turn(self, parsed: ParsedTurn) -> list[dict[str, Any]]:
         """Tool messages answering one assistant turn: calls in order, then parse errors."""
         self.metrics["parse_errors"] += len(parsed.errors)
         allowed = parsed.calls[: self.limits.max_calls_per_turn]
-        results = await asyncio.gather(*(self._run_call(c) for c in allowed))
-        messages = [{"role": "tool", "name": c.name, "content": text} for c, text in zip(allowed, results)]
+        # return_exceptions: gather then returns only when every call has ended, so nothing after
+        # it (the next turn, release) overlaps a call still running. Cancelling this turn cancels
+        # the calls and still waits for them.
+        results = await asyncio.gather(*(self._run_call(c) for c in allowed), return_exceptions=True)
+        messages = [{"role": "tool", "name": c.name, "content": self._unexpected(c, r)
+                     if isinstance(r, BaseException) else r} for c, r in zip(allowed, results)]
         for call in parsed.calls[self.limits.max_calls_per_turn:]:
-            self.metrics["tool_errors"] += 1
+            self._count(call.name, "calls")
+            self._count(call.name, "errors")
             messages.append({"role": "tool", "name": call.name, "content":
                              f"Error: not run; at most {self.limits.max_calls_per_turn} tool calls per turn."})
         for error in parsed.errors:
@@ -79,12 +87,18 @@ class ToolEnv:
             return f"Error: {call.name} did not finish within {self.limits.timeout_s:g} s."
         except Exception as e:
             self._count(call.name, "errors")
-            return f"Error: {call.name} failed: {type(e).__name__}: {_describe(e)}"
+            return _failure(call.name, e)
         finally:
             latency = time.perf_counter() - started
             self.metrics["tool_latency_s"] += latency
             self.metrics[f"tool/{call.name}/latency_s"] = self.metrics.get(f"tool/{call.name}/latency_s", 0.0) + latency
         return text
+
+    def _unexpected(self, call: ToolCall, error: BaseException) -> str:
+        """The message for a call that ended past `_run_call`'s own handling (a tool raising
+        CancelledError, which is no Exception)."""
+        self._count(call.name, "errors")
+        return _failure(call.name, error)
 
     def _count(self, name: str, what: str) -> None:
         """Run totals (tool_calls, tool_errors) and per-tool counts (tool/<name>/calls, .../errors)."""
@@ -98,12 +112,7 @@ class ToolEnv:
             return f"unknown tool '{call.name}'; available: {', '.join(sorted(self.tools)) or 'none'}."
         if call.name not in self.instance_ids:
             return f"{call.name} could not be started for this episode."
-        params = self.tools[call.name].schema["function"].get("parameters", {})
-        try:
-            jsonschema.validate(call.arguments, params)
-        except jsonschema.ValidationError as e:
-            return f"bad arguments for {call.name}: {e.message}."
-        return None
+        return argument_problem(self.tools[call.name], call.arguments)
 
     def _result_text(self, name: str, result: Any) -> str:
         """A tool's return value as message text within the token budget. A reward or metric that
@@ -138,15 +147,20 @@ class ToolEnv:
                     self.metrics["tool_invalid_results"] += 1
                 total += number or 0.0
             except Exception:
-                self.metrics["tool_errors"] += 1
+                self.metrics["tool_lifecycle_errors"] += 1
             try:
                 await asyncio.wait_for(t.release(instance_id), self.limits.timeout_s)
             except Exception:
-                self.metrics["tool_errors"] += 1
+                self.metrics["tool_lifecycle_errors"] += 1
         return total
 
 
-def _describe(error: Exception) -> str:
+def _failure(name: str, error: BaseException) -> str:
+    detail = _describe(error)
+    return f"Error: {name} failed: {type(error).__name__}{': ' + detail if detail else ''}"
+
+
+def _describe(error: BaseException) -> str:
     try:
         return as_text(str(error))
     except Exception:  # noqa: BLE001 - a plug-in's exception may fail to print

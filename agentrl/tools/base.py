@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
+import jsonschema
 from transformers.utils import get_json_schema
 
 from agentrl.tools.threads import DaemonExecutor
@@ -54,6 +55,20 @@ class ToolSet(Protocol):
 
 def tool_name(t: Tool) -> str:
     return t.schema["function"]["name"]
+
+
+def argument_problem(t: Tool, arguments: dict[str, Any]) -> str | None:
+    """Why `arguments` do not fit the tool's parameters, or None. A schema that cannot be applied
+    (a `$ref` to nowhere in a schema the loader never saw) is reported the same way, not raised."""
+    name = tool_name(t)
+    try:
+        jsonschema.validate(arguments, t.schema["function"].get("parameters", {}))
+    except jsonschema.ValidationError as e:
+        return f"bad arguments for {name}: {e.message}."
+    except Exception as e:  # noqa: BLE001 - jsonschema raises referencing, schema and type errors alike
+        detail = as_text(f"{type(e).__name__}: {e}").splitlines()[0][:200]
+        return f"the arguments for {name} cannot be checked, its parameters schema is broken ({detail})."
+    return None
 
 
 class FunctionTool:

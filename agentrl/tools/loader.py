@@ -3,8 +3,12 @@
 A `class:` reference is `module:attr` (a Tool class, a `@tool` function or a plain function) or
 the name of an entry point in the `agentrl.tools` group, which is how installed packages register
 tools and how the builtin ones are found. A class whose instance is a ToolSet (it has `tools()` and
-no `execute`, like a remote tool server or an MCP server) expands into the tools it lists. Every
-problem is a ConfigError naming the file, the tool and the key.
+no `execute`, like a remote tool server or an MCP server) expands into the tools it lists.
+
+Checked before anything is built: the entry's keys, the schema's keys (a misspelt `paramters` is an
+error, not a tool without parameters), that the parameters are JSON Schema whose every `$ref`
+points inside it, and each `config` value against the constructor's type hint (converted as
+pydantic converts it). Every problem is a ConfigError naming the file, the tool and the key.
 """
 
 from __future__ import annotations
@@ -12,18 +16,25 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import typing
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import jsonschema
-import yaml
+import pydantic
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
 
 from agentrl.errors import ConfigError
+from agentrl.yaml_files import load_yaml
 from agentrl.tools.base import FunctionTool, Tool, ToolSet
 
 ENTRY_POINT_GROUP = "agentrl.tools"
 ENTRY_KEYS = {"class", "config", "schema"}
+SCHEMA_KEYS = {"type", "function"}
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}  # OpenAI's function object
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SECRET_RE = re.compile(r"token|secret|password|api_key", re.IGNORECASE)
 
@@ -59,10 +70,7 @@ def read_yaml_list(path: str | Path, key: str) -> list[Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    data = load_yaml(path)
     if not isinstance(data, dict) or set(data) != {key} or not isinstance(data[key], list):
         raise ConfigError(f"{path}: expected a mapping with exactly one key '{key}' holding a list")
     return data[key]
@@ -72,8 +80,13 @@ def check_schema(schema: Any) -> str | None:
     """Why `schema` is not a valid OpenAI function schema, or None if it is."""
     if not isinstance(schema, dict) or schema.get("type") != "function":
         return "schema must be a mapping with type: function"
-    fn = schema.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+    problem, fn = _unknown_key(schema, SCHEMA_KEYS, "schema"), schema.get("function")
+    if problem or not isinstance(fn, dict):
+        return problem or "schema.function must be a mapping with name, description and parameters"
+    problem = _unknown_key(fn, FUNCTION_KEYS, "schema.function")
+    if problem:
+        return problem
+    if not isinstance(fn.get("name"), str):
         return "schema.function.name is missing"
     if not _NAME_RE.match(fn["name"]):
         return f"schema.function.name '{fn['name']}' must match {_NAME_RE.pattern}"
@@ -84,6 +97,33 @@ def check_schema(schema: Any) -> str | None:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as e:
         return f"schema.function.parameters is not valid JSON Schema ({e.message})"
+    except TypeError as e:  # a `$schema` that is a list or a mapping
+        return f"schema.function.parameters is not valid JSON Schema ({e})"
+    dangling = _dangling_ref(params)
+    if dangling:
+        return f"schema.function.parameters: $ref '{dangling}' does not point to a place inside the schema"
+    return None
+
+
+def _unknown_key(mapping: dict[str, Any], allowed: set[str], where: str) -> str | None:
+    unknown = sorted(str(k) for k in set(mapping) - allowed)
+    return f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(allowed))})" if unknown else None
+
+
+def _dangling_ref(params: dict[str, Any]) -> str | None:
+    """The first `$ref` that does not resolve within `params` (jsonschema would raise it only when a
+    call reaches it, and would fetch a URL over the network)."""
+    root = referencing.Resource.from_contents(params, default_specification=referencing.jsonschema.DRAFT202012)
+    pending = [(root, referencing.Registry().with_resource("", root).resolver(base_uri=""))]
+    while pending:
+        resource, resolver = pending.pop()
+        ref = resource.contents.get("$ref") if isinstance(resource.contents, dict) else None
+        if isinstance(ref, str):
+            try:
+                resolver.lookup(ref)
+            except referencing.exceptions.Unresolvable:
+                return ref
+        pending.extend((sub, resolver.in_subresource(sub)) for sub in reversed(list(resource.subresources())))
     return None
 
 
@@ -114,8 +154,12 @@ def _instantiate(entry: Any) -> Any:
     config = entry.get("config") or {}
     if not isinstance(config, dict):
         raise ValueError("key 'config' must be a mapping")
+    problem = check_schema(entry["schema"]) if "schema" in entry else None
+    if problem:  # before the class is built: constructors may start servers or connect to them
+        raise ValueError(problem)
     obj = resolve_reference(entry["class"])
     if inspect.isclass(obj):
+        config = _typed_config(obj, config)
         try:
             return obj(**config)
         except Exception as e:
@@ -128,10 +172,38 @@ def _instantiate(entry: Any) -> Any:
     raise ValueError(f"'{entry['class']}' is not a tool class or function")
 
 
+def _typed_config(cls: type, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` checked against the constructor's parameters and type hints, each value converted
+    as pydantic converts it: YAML reads `1e-6` as text, which a `float` parameter takes as 1e-06."""
+    try:
+        parameters = inspect.signature(cls).parameters
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - a plug-in's unresolvable annotation: the constructor decides
+        return config
+    named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any_key = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    typed: dict[str, Any] = {}
+    for key, value in config.items():
+        if key not in named and not takes_any_key:
+            raise ValueError(f"config: unknown key '{key}' (allowed: {', '.join(sorted(named)) or 'none'})")
+        typed[key] = value
+        if key not in hints:
+            continue
+        try:
+            typed[key] = pydantic.TypeAdapter(hints[key]).validate_python(value)
+        except pydantic.PydanticUserError:  # a type pydantic cannot check: the constructor decides
+            pass
+        except pydantic.ValidationError as e:
+            annotation = named[key].annotation
+            expected = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+            raise ValueError(f"config.{key} = {_masked({key: value})[key]!r}: expected {expected} "
+                             f"({e.errors()[0]['msg']})") from None
+    return typed
+
+
 def _masked(config: dict[str, Any]) -> dict[str, Any]:
     """The config as an error message may show it: secrets (a server's token) replaced by '***'."""
-    return {k: "***" if _SECRET_RE.search(str(k)) and isinstance(v, str) and k != "token_env" else v
-            for k, v in config.items()}
+    return {k: "***" if _SECRET_RE.search(str(k)) and k != "token_env" else v for k, v in config.items()}
 
 
 def _check_tool(instance: Any, ref: str) -> None:
@@ -185,11 +257,12 @@ def load_tool_files(paths: list[str | Path]) -> list[Tool]:
 
 
 def _entry_label(entry: Any, index: int) -> str:
-    if isinstance(entry, dict):
-        schema_name = (entry.get("schema") or {}).get("function", {}).get("name") if isinstance(
-            entry.get("schema"), dict) else None
-        if schema_name:
-            return f"tool '{schema_name}' (#{index})"
-        if isinstance(entry.get("class"), str):
-            return f"tool #{index} (class '{entry['class']}')"
+    """How errors name an entry: by its schema's name, else its class, else its position."""
+    schema = entry.get("schema") if isinstance(entry, dict) else None
+    function = schema.get("function") if isinstance(schema, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(name, str) and name:
+        return f"tool '{name}' (#{index})"
+    if isinstance(entry, dict) and isinstance(entry.get("class"), str):
+        return f"tool #{index} (class '{entry['class']}')"
     return f"tool #{index}"

@@ -50,6 +50,8 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
         data: Any = json.loads(body)
     except json.JSONDecodeError as e:
         return None, f"the tool call is not valid JSON ({e.msg} at position {e.pos}): {body[:200]}"
+    except (ValueError, RecursionError) as e:  # an integer of 5000 digits, arrays nested 1000 deep
+        return None, f"the tool call is not valid JSON ({_json_limit(e)}): {body[:200]}"
     if not isinstance(data, dict):
         return None, "the tool call must be a JSON object with 'name' and 'arguments'"
     name = data.get("name")
@@ -59,11 +61,16 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
     if isinstance(arguments, str):  # some models emit arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None, f"the arguments of '{name}' are a string that is not a JSON object"
     if not isinstance(arguments, dict):
         return None, f"the arguments of '{name}' must be a JSON object"
     return ToolCall(name=name, arguments=arguments), ""
+
+
+def _json_limit(error: ValueError | RecursionError) -> str:
+    """Python's reason for refusing JSON that is well-formed but past one of its limits."""
+    return "nested too deeply" if isinstance(error, RecursionError) else str(error).split(";")[0]
 
 
 PARSERS: dict[str, Callable[[str], ParsedTurn]] = {"hermes": parse_hermes}

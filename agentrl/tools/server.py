@@ -28,13 +28,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import jsonschema
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from agentrl.tools.base import Tool, ToolResult, as_text, finite_number, tool_name
+from agentrl.tools.base import Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 
 
 @dataclass(frozen=True)
@@ -223,10 +222,9 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
     async def execute(instance_id: str, body: ExecuteRequest) -> dict[str, Any]:
         live = host.instance(instance_id)
         name = live.tool
-        try:
-            jsonschema.validate(body.arguments, host.tools[name].schema["function"].get("parameters", {}))
-        except jsonschema.ValidationError as e:
-            raise HTTPException(422, f"bad arguments for {name}: {e.message}") from None
+        problem = argument_problem(host.tools[name], body.arguments)
+        if problem:
+            raise HTTPException(422, problem)
         result, error = await host.call(name, "execute", lambda: host.tools[name].execute(instance_id, body.arguments))
         live.last_used = time.monotonic()  # a long call does not count as idle time
         if error is not None:

@@ -6,17 +6,18 @@ event loop, and it is the wrong one here: its workers are joined when the interp
 shuts its loop down. A tool function stuck in `time.sleep(3600)` would then hold up the end of every
 rollout and the exit of the process, although its episode moved on after one timeout.
 
-`DaemonExecutor` runs each call on its own daemon thread and lets at most `max_workers` of them run
-at once. A call that times out is abandoned: its thread keeps its slot until the function really
-returns (so a tool that hangs cannot start an unbounded number of threads), nobody waits for it,
-and the process exits without joining it. A call cancelled before it started never runs.
-This module does not kill threads (Python cannot); code that must be stopped runs in a subprocess
-(the `python` tool does).
+`DaemonExecutor` runs calls on daemon threads, at most `max_workers` at once; calls beyond that
+wait in a queue and own no thread. A call that times out is abandoned: its thread keeps its slot
+until the function really returns (so a tool that hangs cannot start an unbounded number of
+threads), nobody waits for it, and the process exits without joining it. A call cancelled before
+it started never runs and is dropped from the queue. This module does not kill threads (Python
+cannot); code that must be stopped runs in a subprocess (the `python` tool does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import threading
@@ -24,6 +25,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 _names = itertools.count(1)
+_Work = tuple[concurrent.futures.Future, Callable[[], Any]]
 
 
 class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
@@ -39,36 +41,51 @@ class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
         super().__init__(max_workers=1)
         self.max_workers = max_workers
         self.name = name
-        self._slots = threading.BoundedSemaphore(max_workers)
-        self._running = 0
-        self._count_lock = threading.Lock()
+        self._pending: collections.deque[_Work] = collections.deque()
+        self._slots_taken = 0  # live threads: each runs a call or is about to take the next
+        self._lock = threading.Lock()
 
     @property
     def running(self) -> int:
         """Calls executing right now, abandoned ones included."""
-        return self._running
+        return self._slots_taken
+
+    @property
+    def waiting(self) -> int:
+        """Calls queued for a free slot (cancelled ones leave at the next submit or free slot)."""
+        return len(self._pending)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def work() -> None:
-            with self._slots:
-                if not future.set_running_or_notify_cancel():  # cancelled while waiting for a slot
-                    return
-                with self._count_lock:
-                    self._running += 1
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as e:  # handed to the caller, like any executor does
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
-                finally:
-                    with self._count_lock:
-                        self._running -= 1
-
-        threading.Thread(target=work, name=f"{self.name}-{next(_names)}", daemon=True).start()
+        with self._lock:
+            # Calls that timed out while queued behind hung ones would otherwise pile up here.
+            self._pending = collections.deque(w for w in self._pending if not w[0].cancelled())
+            self._pending.append((future, lambda: fn(*args, **kwargs)))
+            start = self._slots_taken < self.max_workers
+            self._slots_taken += int(start)
+        if start:
+            threading.Thread(target=self._work, name=f"{self.name}-{next(_names)}", daemon=True).start()
         return future
+
+    def _next(self) -> _Work | None:
+        """The oldest queued call that was not cancelled, marked running; None gives the slot back."""
+        with self._lock:
+            while self._pending:
+                work = self._pending.popleft()
+                if work[0].set_running_or_notify_cancel():
+                    return work
+            self._slots_taken -= 1
+            return None
+
+    def _work(self) -> None:
+        while (work := self._next()) is not None:
+            future, call = work
+            try:
+                result = call()
+            except BaseException as e:  # handed to the caller, like any executor does
+                future.set_exception(e)
+            else:
+                future.set_result(result)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Returns at once: threads still running are abandoned, by design."""

@@ -46,6 +46,8 @@ def _eval(node: ast.AST) -> int | float:
             value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise ValueError("division by zero") from None
+        except OverflowError:  # float arithmetic past 1.8e308, e.g. 1e99 ** 4
+            raise ValueError("result out of range") from None
         if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
             raise ValueError("result out of range")
         return value

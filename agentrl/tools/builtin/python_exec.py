@@ -98,7 +98,7 @@ class PythonTool:
         if result.limit == "cpu":
             return f"killed: CPU-time limit of {max(1, round(limits.cpu_s))} s{cut}"
         if result.signal is not None:
-            return f"killed by signal {signal.Signals(result.signal).name}{cut}"
+            return f"killed by signal {_signal_name(result.signal)}{cut}"
         return f"exit code {result.exit_code}{self._hint(result.stderr)}{cut}"
 
     def _hint(self, stderr: str) -> str:
@@ -112,3 +112,11 @@ class PythonTool:
         if "File too large" in last:
             return f" (the file-size limit is {self.limits.file_mb} MB)"
         return ""
+
+
+def _signal_name(number: int) -> str:
+    """SIGKILL for 9; the bare number for one Python has no name for (the realtime signals)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
