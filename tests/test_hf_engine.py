@@ -222,6 +222,26 @@ def test_a_failed_decode_reaches_its_caller_and_the_engine_keeps_serving(tiny_mo
     assert len(asyncio.run(run()).token_ids) == 3
 
 
+def test_a_cancelled_caller_stops_its_row_and_a_cancelled_waiting_request_never_runs(tiny_model):
+    """An HTTP client that hangs up cancels its generate call: its row leaves the batch at the
+    next step instead of decoding its whole budget, and a request still waiting is dropped."""
+    engine = HFEngine(tiny_model, pad_token_id=2)
+
+    async def run():
+        running = asyncio.ensure_future(engine.generate(PROMPTS[0], SamplingParams(3000, 0.0, stop_token_ids=())))
+        # other sampling settings: it waits for the first batch to end
+        waiting = asyncio.ensure_future(engine.generate(PROMPTS[1], SamplingParams(3000, 1.0, stop_token_ids=())))
+        while engine.stats["requests"] == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        running.cancel()
+        return await asyncio.to_thread(engine.wait_idle, 60)
+
+    assert asyncio.run(run())
+    assert engine.stats["requests"] == 1 and 0 < engine.stats["generated_tokens"] < 500
+
+
 def test_the_slot_attention_is_sdpa_outside_mixed_passes_and_is_not_saved(tmp_path):
     """The engine switches its model's attention to `agentrl_slots` (packed_attention.py): every
     ordinary forward pass (the trainer's, `score`'s, a padded batch) must give exactly SDPA's

@@ -147,8 +147,10 @@ class HFEngine:
         return True
 
     def _take(self, key: tuple, room: int) -> list[_Request]:
-        """Up to `room` waiting requests with sampling settings `key`, oldest first."""
+        """Up to `room` waiting requests with sampling settings `key`, oldest first; requests whose
+        caller was cancelled while they waited are dropped."""
         with self._pending_lock:
+            self._pending = [r for r in self._pending if not r.future.done()]
             taken = [r for r in self._pending if r.sampling.batch_key() == key][:room]
             ids = {id(r) for r in taken}
             self._pending = [r for r in self._pending if id(r) not in ids]
@@ -231,7 +233,10 @@ class HFEngine:
 
     def _retire(self, batch: RunningBatch, done: Callable[[Row], None]) -> None:
         """Rows that stopped leave the batch: their keys and values go to the prefix cache, their
-        result to the caller."""
+        result to the caller. A row whose caller was cancelled (an HTTP client that hung up) stops too."""
+        for row in batch.rows:
+            if isinstance(row.owner, _Request) and row.owner.future.cancelled():
+                row.done = True
         finished = [row for row in batch.rows if row.done]
         if not finished:
             return

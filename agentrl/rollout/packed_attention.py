@@ -55,7 +55,7 @@ class PackedPlan:
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None) -> tuple[torch.Tensor, None]:
         q_HTD, n, joining = query[0], self.running, self.join_grid.shape[0]
-        out_THD = query.new_empty((q_HTD.shape[1], q_HTD.shape[0], q_HTD.shape[2]))
+        out_THD = query.new_empty((q_HTD.shape[1], q_HTD.shape[0], value.shape[-1]))  # values may have their own head size
         if n:
             q_BH1D = q_HTD[:, :n, None].transpose(0, 1)
             columns = slice(self.start, self.end)
