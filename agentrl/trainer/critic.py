@@ -22,7 +22,7 @@ from transformers import AutoModel
 from agentrl.algos.losses import value_loss
 from agentrl.trainer.checkpoint import atomic_directory, full_state_dict, load_sharded, save_sharded
 from agentrl.trainer.distributed import Ranks, full_tensor, shard_model
-from agentrl.trainer.logprobs import PaddedBatch, mini_batch_schedule, pad_values, padded_micro_batches
+from agentrl.trainer.logprobs import PaddedBatch, evaluation, mini_batch_schedule, pad_values, padded_micro_batches
 
 
 class ValueModel(torch.nn.Module):
@@ -91,15 +91,16 @@ class CriticWorker:
 
     @torch.no_grad()
     def values(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float] | None]:
-        """Values of this rank's share of the batch; None for other ranks' rows."""
+        """Values of this rank's share of the batch (in eval mode); None for other ranks' rows."""
         out: list[list[float] | None] = [None] * len(sequences)
         plan = self.ranks.micro_batch_plan(list(range(len(sequences))), [len(s) for s in sequences],
                                            self.micro_batch_tokens)
-        for idx, batch in padded_micro_batches(plan, sequences, masks, self.pad_id, self.device):
-            with self._autocast():
-                values_BT = self.model(batch)
-            for row, i in enumerate(idx):
-                out[i] = values_BT[row, : len(sequences[i])].tolist()
+        with evaluation(self.model):
+            for idx, batch in padded_micro_batches(plan, sequences, masks, self.pad_id, self.device):
+                with self._autocast():
+                    values_BT = self.model(batch)
+                for row, i in enumerate(idx):
+                    out[i] = values_BT[row, : len(sequences[i])].tolist()
         return out
 
     def update(self, sequences: list[list[int]], masks: list[list[int]], returns: list[list[float]],

@@ -6,7 +6,9 @@ torch.distributed and every helper is the identity. With several, every rank rec
 batch and takes its own share of each mini-batch, balanced by token count; losses are normalised by
 the mini-batch's global token (or sequence) count, so a step gives the same update whatever the
 number of ranks. FSDP2 collectives need every rank to run the same number of forward and backward
-passes: ranks with fewer micro-batches run zero-weight dummy ones (`micro_batch_plan`).
+passes: ranks with fewer micro-batches run zero-weight dummy ones (`micro_batch_plans`), and a
+micro-batch that runs a shared prompt prefix separately (two decoder calls, logprobs.py) does so
+on every rank or on none (`logprobs.prefix_sharing`).
 
 This module does not start processes (trainer/launch.py does) and knows nothing of Ray.
 """
@@ -48,17 +50,21 @@ class Ranks:
 
     def micro_batch_plan(self, indices: list[int], lengths: list[int], token_budget: int,
                          groups: list[tuple[int, int]] | None = None) -> list[list[int]]:
-        """This rank's micro-batches of `indices`, padded with empty ones (dummies) up to the most any
-        rank has, so that all ranks make the same number of passes. `lengths` and `groups` (rows
-        sharing a prompt, see logprobs.prompt_groups) are indexed like the whole batch."""
+        """This rank's micro-batches of `indices` (see micro_batch_plans)."""
+        return self.micro_batch_plans(indices, lengths, token_budget, groups)[self.rank]
+
+    def micro_batch_plans(self, indices: list[int], lengths: list[int], token_budget: int,
+                          groups: list[tuple[int, int]] | None = None) -> list[list[list[int]]]:
+        """Every rank's micro-batches of `indices`, each padded with empty ones (dummies) up to the
+        most any rank has, so that all ranks make the same number of passes. `lengths` and `groups`
+        (rows sharing a prompt, see logprobs.prompt_groups) are indexed like the whole batch."""
         def pack(part: list[int]) -> list[list[int]]:
             micro = pack_micro_batches([lengths[i] for i in part], token_budget,
                                        [groups[i] for i in part] if groups is not None else None)
             return [[part[j] for j in m] for m in micro]
         plans = [pack(part) for part in self.shards(indices, lengths)]
         most = max(len(plan) for plan in plans)
-        mine = plans[self.rank]
-        return mine + [[] for _ in range(most - len(mine))]
+        return [plan + [[] for _ in range(most - len(plan))] for plan in plans]
 
 
 def init_process_group(ranks: Ranks, address: str, port: int, device_type: str, timeout_s: float) -> None:

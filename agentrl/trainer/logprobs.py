@@ -15,13 +15,17 @@ A GRPO group's episodes start with the same prompt, often most of each sequence 
 whose rows share a prefix runs the decoder over that prefix once and over each row's remainder
 against the prefix's KV cache, repeated along the batch. The result is the same function (the
 prefix's keys and values are the ones every row would compute; their gradients sum over the rows),
-so only float rounding differs from running every row in full.
+so only float rounding differs from running every row in full. Two exceptions run every row in
+full: a micro-batch whose counterpart on another FSDP rank cannot share (`prefix_sharing`; the
+ranks' decoder calls must match), and activation checkpointing in train mode, where transformers'
+layers keep no cache.
 """
 
 from __future__ import annotations
 
 import random
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -87,6 +91,18 @@ def pad_values(rows: list[list[float]], width: int, device: torch.device | str) 
     return out.to(device)
 
 
+@contextmanager
+def evaluation(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout) for a pass without gradients, its mode restored after:
+    old logprobs, reference logprobs and values must be those of the weights, not of a dropout mask."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
 def mini_batch_schedule(rng: random.Random, size: int, epochs: int, mini_batches: int) -> Iterator[list[int]]:
     """Indices of each optimizer step: every epoch reshuffles, then deals into `mini_batches` parts."""
     order = list(range(size))
@@ -136,16 +152,28 @@ def pack_micro_batches(lengths: list[int], token_budget: int,
     return packed
 
 
+def prefix_sharing(plans: list[list[list[int]]], sequences: list[list[int]], masks: list[list[int]]) -> list[bool]:
+    """Per micro-batch position of every rank's plan (distributed.Ranks.micro_batch_plans), whether
+    to run a shared prefix separately. That takes two decoder calls instead of one, and FSDP's
+    collectives need every rank to make the same calls, so it is done only where every rank's
+    micro-batch has a prefix to share (never beside a dummy). Every rank has the whole batch, so
+    every rank reaches the same answer without communicating."""
+    return [all(idx and shareable_prefix([sequences[i] for i in idx], [masks[i] for i in idx]) for idx in column)
+            for column in zip(*plans)]
+
+
 def padded_micro_batches(plan: list[list[int]], sequences: list[list[int]], masks: list[list[int]], pad_id: int,
-                         device: torch.device | str, share_prefix: bool = False
+                         device: torch.device | str, share_prefix: list[bool] | None = None
                          ) -> Iterator[tuple[list[int], PaddedBatch]]:
-    """Each planned micro-batch padded: (its indices, the batch). An empty entry of the plan (a rank
-    with fewer micro-batches than another, see distributed.Ranks) yields ([], a two-token dummy with
-    one position to predict), which the caller weighs by zero; it keeps FSDP's collectives in step."""
-    for idx in plan:
+    """Each planned micro-batch padded: (its indices, the batch), its shared prefix found where
+    `share_prefix` (one flag per micro-batch, see prefix_sharing) says so. An empty entry of the plan
+    (a rank with fewer micro-batches than another, see distributed.Ranks) yields ([], a two-token
+    dummy with one position to predict), which the caller weighs by zero; it keeps FSDP's
+    collectives in step."""
+    for n, idx in enumerate(plan):
         if idx:
             yield idx, pad_sequences([sequences[i] for i in idx], [masks[i] for i in idx], pad_id, device,
-                                     share_prefix)
+                                     bool(share_prefix and share_prefix[n]))
         else:
             yield [], pad_sequences([[pad_id, pad_id]], [[0, 1]], pad_id, device)
 
@@ -215,8 +243,8 @@ def _decoder_hidden(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
     """The decoder's last hidden states, [B, T, H]; a shared prefix runs once (module docstring)."""
     decoder = model.get_decoder()
     shared = batch.shared_prefix
-    if not shared:
-        return decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT).last_hidden_state
+    if not shared or _layers_drop_cache(decoder):
+        return decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT, use_cache=False).last_hidden_state
     rows = batch.ids_BT.shape[0]
     # One lookup for both calls: the embedding's backward builds a dense vocabulary × hidden
     # gradient per lookup (113 MB for SmolLM2, 0.1-0.15 s to fill on a 2-core CPU).
@@ -227,3 +255,10 @@ def _decoder_hidden(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
     rest = decoder(inputs_embeds=embeds_BTH[:, shared:], attention_mask=batch.attention_BT, past_key_values=cache,
                    use_cache=True).last_hidden_state
     return torch.cat([prefix.last_hidden_state.expand(rows, -1, -1), rest], dim=1)
+
+
+def _layers_drop_cache(decoder: torch.nn.Module) -> bool:
+    """Under activation checkpointing in train mode, transformers' layers neither fill nor read a
+    KV cache (a recomputed layer would write it twice), so a prefix cannot be run separately. The
+    answer depends on the model's state alone, the same on every rank."""
+    return decoder.training and any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules())

@@ -4,8 +4,9 @@ saved adapter for inference.
 Only the adapters train (the base weights are frozen, so the backward pass computes no gradient for
 them and the optimizer holds state for the adapters alone) and only they are checkpointed. Engines
 know nothing of LoRA: every weight sync sends full tensors under the base model's names, with each
-adapted layer merged as W + scaling · B·A. The merge happens on the gathered full tensors, so it is
-the same under FSDP. This module does not choose which layers to adapt beyond peft's own options.
+adapted layer merged as W + scaling · B·A (transposed for an embedding). The merge happens on the
+gathered full tensors, so it is the same under FSDP. This module does not choose which layers to
+adapt beyond peft's own options.
 """
 
 from __future__ import annotations
@@ -66,15 +67,34 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield f"{owner}.{part.removeprefix('base_layer.')}", tensor  # the base layer's bias
             continue
         parts = pending.setdefault(owner, {})
-        parts["A" if part.startswith("lora_A.") else "B" if part.startswith("lora_B.") else "W"] = tensor
+        parts[_part_role(name, part)] = tensor
         if len(parts) == 3:
             yield f"{owner}.weight", _merge(layers[owner], pending.pop(owner))
+    if pending:  # a weight never sent would leave the engines on stale values without a word
+        missing = ", ".join(f"{owner} has only {sorted(parts)}" for owner, parts in pending.items())
+        raise RuntimeError(f"LoRA merge incomplete: {missing}")
+
+
+_PART_ROLES = {"base_layer.weight": "W", "lora_A.": "A", "lora_B.": "B",
+               "lora_embedding_A.": "A", "lora_embedding_B.": "B"}  # peft's names in a linear / an embedding layer
+
+
+def _part_role(name: str, part: str) -> str:
+    role = next((role for prefix, role in _PART_ROLES.items() if part.startswith(prefix)), None)
+    if role is None:
+        raise RuntimeError(f"{name}: a LoRA tensor this weight sync cannot merge (only plain LoRA on linear and "
+                           "embedding layers is supported)")
+    return role
 
 
 def _merge(layer: torch.nn.Module, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """W + scaling · B·A, as peft's merge: transposed for an embedding (A is rank × vocabulary)
+    and for a layer storing its weight fan-in first."""
+    from peft.tuners.lora import Embedding
+
     (adapter,) = layer.active_adapters
     delta = (parts["B"].float() @ parts["A"].float()) * layer.scaling[adapter]
-    if getattr(layer, "fan_in_fan_out", False):
+    if isinstance(layer, Embedding) or getattr(layer, "fan_in_fan_out", False):
         delta = delta.T
     return (parts["W"].float() + delta).to(parts["W"].dtype)
 

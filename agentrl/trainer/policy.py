@@ -22,8 +22,8 @@ from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
 from agentrl.trainer.checkpoint import load_sharded, save_model, save_sharded
 from agentrl.trainer.distributed import Ranks, buckets, full_tensor, shard_model
 from agentrl.trainer.lora import merged_weights
-from agentrl.trainer.logprobs import (attach_token_logprobs, mini_batch_schedule, pad_values, padded_micro_batches,
-                                      prompt_groups, token_logprobs)
+from agentrl.trainer.logprobs import (attach_token_logprobs, evaluation, mini_batch_schedule, pad_values,
+                                      padded_micro_batches, prefix_sharing, prompt_groups, token_logprobs)
 
 
 class WeightSink(Protocol):
@@ -35,36 +35,56 @@ class WeightSink(Protocol):
 
 
 class ReferenceWorker:
-    """A frozen model whose logprobs anchor the KL term (no optimizer; shards may live offloaded)."""
+    """A frozen model whose logprobs anchor the KL term (no optimizer; shards may live offloaded).
+    `bf16_autocast` must match the policy's, so that at equal weights both give equal logprobs."""
 
     def __init__(self, model: torch.nn.Module, pad_id: int, temperature: float, micro_batch_tokens: int,
-                 ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None, offload: bool = False):
+                 ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None, offload: bool = False,
+                 bf16_autocast: bool = False):
         self.model = model.eval().requires_grad_(False)
         if ranks.distributed:
             shard_model(self.model, param_dtype, offload, forward_methods=(attach_token_logprobs(self.model),))
         self.pad_id, self.temperature, self.micro_batch_tokens = pad_id, temperature, micro_batch_tokens
         self.ranks = ranks
+        self.bf16_autocast = bf16_autocast
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float] | None]:
-        return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature, self.micro_batch_tokens,
-                                self.ranks)
+        device = next(self.model.parameters()).device
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
+            return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature,
+                                    self.micro_batch_tokens, self.ranks)
 
 
 def batched_logprobs(model: torch.nn.Module, sequences: list[list[int]], masks: list[list[int]], pad_id: int,
                      temperature: float, micro_batch_tokens: int, ranks: Ranks = Ranks()) -> list[list[float] | None]:
     """Per-sequence token logprobs (0.0 off the mask) of this rank's share, in micro-batches without
-    grad; None for the rows other ranks compute (none with one rank)."""
+    grad and in eval mode; None for the rows other ranks compute (none with one rank)."""
     device = next(model.parameters()).device
     out: list[list[float] | None] = [None] * len(sequences)
-    plan = ranks.micro_batch_plan(list(range(len(sequences))), [len(s) for s in sequences], micro_batch_tokens,
-                                  prompt_groups(sequences, masks))
-    with torch.no_grad():
-        for idx, batch in padded_micro_batches(plan, sequences, masks, pad_id, device, share_prefix=True):
+    plans = ranks.micro_batch_plans(list(range(len(sequences))), [len(s) for s in sequences], micro_batch_tokens,
+                                    prompt_groups(sequences, masks))
+    share = prefix_sharing(plans, sequences, masks)
+    with torch.no_grad(), evaluation(model):
+        for idx, batch in padded_micro_batches(plans[ranks.rank], sequences, masks, pad_id, device, share):
             logprobs_BT, _ = token_logprobs(model, batch, temperature)
             for row, i in enumerate(idx):
                 out[i] = logprobs_BT[row, : len(sequences[i])].tolist()
     return out
+
+
+def disable_model_dropout(model: torch.nn.Module) -> None:
+    """The checkpoint's own dropout off (nn.Dropout modules, transformers' `attention_dropout`).
+    PPO's ratio compares the training pass with the old logprobs, taken without dropout like the
+    engine's samples; a dropout mask in the training pass moves the ratio by chance and clips tokens
+    at unchanged weights. LoRA's adapter dropout is a recipe setting (model.lora.dropout) and stays."""
+    for name, module in model.named_modules():
+        if ".lora_dropout." in f".{name}.":
+            continue
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 class PolicyWorker:
@@ -78,6 +98,7 @@ class PolicyWorker:
                  entropy_coef: float = 0.0, bf16_autocast: bool = False, seed: int = 0, ranks: Ranks = Ranks(),
                  param_dtype: torch.dtype | None = None):
         self.ranks = ranks
+        disable_model_dropout(model)
         if ranks.distributed:  # before the optimizer, which must hold the shards
             shard_model(model, param_dtype, forward_methods=(attach_token_logprobs(model),))
         self.model = model.train()
@@ -143,11 +164,13 @@ class PolicyWorker:
         metrics = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0}
         if rollout_logprobs is not None:
             metrics.update(rollout_logprob_diff=0.0, engine_k3_mean=0.0, engine_k3_max=0.0)
-        plan = self.ranks.micro_batch_plan(mini, [len(s) for s in sequences], self.micro_batch_tokens,
-                                           prompt_groups(sequences, masks))
+        # Rows without a trainable token (a prompt that filled the context) weigh nothing: left out.
+        plans = self.ranks.micro_batch_plans([i for i in mini if any(masks[i][1:])], [len(s) for s in sequences],
+                                             self.micro_batch_tokens, prompt_groups(sequences, masks))
+        plan = plans[self.ranks.rank]
         self.optimizer.zero_grad(set_to_none=True)
         for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device,
-                                                              share_prefix=True)):
+                                                              prefix_sharing(plans, sequences, masks))):
             if self.ranks.distributed:  # reduce gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(n == len(plan) - 1)
             width = batch.ids_BT.shape[1]

@@ -53,9 +53,11 @@ def make_policy(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> Po
 
 def make_reference(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> ReferenceWorker:
     t = config.trainer
+    compute = _compute(config, ranks)  # the policy's precision, so KL at equal weights is exactly 0
     return ReferenceWorker(load_model(config.model.path).to(t.device), pad_id, config.rollout.temperature,
-                           t.micro_batch_tokens, ranks, _compute(config, ranks)["param_dtype"],
-                           offload=t.device.startswith("cuda") and ranks.distributed)
+                           t.micro_batch_tokens, ranks, compute["param_dtype"],
+                           offload=t.device.startswith("cuda") and ranks.distributed,
+                           bf16_autocast=compute["bf16_autocast"])
 
 
 def make_critic(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> CriticWorker:

@@ -1,0 +1,249 @@
+"""The trainer at its edges: two real gloo ranks whose micro-batches differ, activation checkpointing
+with a shared prompt, rows with nothing to train, dropout, bf16 reference logprobs, LoRA on the
+embeddings. Models are tiny random Llamas (a 512-token vocabulary where no tokenizer is involved)."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agentrl.trainer.critic import CriticWorker, ValueModel
+from agentrl.trainer.distributed import Ranks
+from agentrl.trainer.logprobs import pad_sequences, prefix_sharing, prompt_groups, token_logprobs
+from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
+
+PROMPT_TOKENS = 20
+
+
+def small_llama(attention_dropout: float = 0.0) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         attention_dropout=attention_dropout)
+    return LlamaForCausalLM(config)
+
+
+def group(completion_lengths: tuple[int, ...], rewards: tuple[float, ...], seed: int = 1):
+    """Rows that share one 20-token prompt: (sequences, masks, per-token advantages)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 500, (PROMPT_TOKENS,), generator=generator).tolist()
+    sequences = [prompt + torch.randint(3, 500, (n,), generator=generator).tolist() for n in completion_lengths]
+    masks = [[0] * PROMPT_TOKENS + [1] * n for n in completion_lengths]
+    advantages = [[m * r for m in mask] for mask, r in zip(masks, rewards)]
+    return sequences, masks, advantages
+
+
+def with_context_filling_rows(sequences, masks, advantages):
+    """Two more rows: a 37-token prompt that filled the context, so nothing was sampled."""
+    prompt = list(range(3, 40))
+    return (sequences + [prompt, prompt], masks + [[0] * 37, [0] * 37], advantages + [[0.0] * 37, [0.0] * 37])
+
+
+# Lengths 32, 30, 28: rank 0 gets row 0 alone (nothing to share), rank 1 rows 1 and 2 (a shared prompt).
+UNEVEN = group((12, 10, 8), (1.0, -0.5, -0.5))
+# Lengths 32, 31, 30, 29: each rank gets two rows of the prompt, so both can share it.
+EVEN = group((12, 11, 10, 9), (1.0, -1.0, 0.5, -0.5), seed=2)
+
+
+def steps(ranks: Ranks = Ranks()) -> dict:
+    """Logprobs and one update on each batch, with fresh identical models."""
+    policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0, ranks=ranks)
+    reference = ReferenceWorker(small_llama(), 2, 1.0, 4096, ranks)
+    out = {"policy_logprobs": policy.logprobs(*UNEVEN[:2]), "reference_logprobs": reference.logprobs(*UNEVEN[:2]),
+           "uneven": policy.update(*UNEVEN)}
+    even = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0, ranks=ranks)
+    out["even_with_empty_rows"] = even.update(*with_context_filling_rows(*EVEN))
+    return out
+
+
+def rank_main(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from agentrl.trainer.distributed import init_process_group
+
+    torch.set_num_threads(1)
+    ranks = Ranks(rank, 2)
+    init_process_group(ranks, "127.0.0.1", port, "cpu", timeout_s=10.0)  # a mismatch fails, not hangs
+    try:
+        results.put((rank, steps(ranks)))
+    except Exception as error:
+        results.put((rank, repr(error)))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gather(results, processes, timeout_s: float) -> dict:
+    """Each rank's answer; a rank that dies without one (gloo aborts the process on a mismatched
+    collective) fails at once instead of after the timeout."""
+    answers: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(answers) < len(processes):
+        try:
+            rank, answer = results.get(timeout=0.5)
+            answers[rank] = answer
+        except queue.Empty:
+            dead = {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode not in (None, 0)}
+            assert not dead.keys() - answers.keys(), f"ranks died without an answer (exit codes {dead}): {answers}"
+            assert time.monotonic() < deadline, f"no answer within {timeout_s} s: {answers}"
+    return answers
+
+
+@pytest.mark.timeout(120)
+def test_two_gloo_ranks_with_different_micro_batches_give_the_single_process_step():
+    """Rank 0's only micro-batch has one row, rank 1's two rows of one prompt: both must run the
+    decoder the same way (FSDP2 gathers each layer once per call), so neither shares the prompt.
+    In the second batch both ranks share it, and rows with nothing sampled are left out."""
+    for (sequences, masks, _), shared in ((UNEVEN, [False]), (EVEN, [True])):
+        plans = Ranks(0, 2).micro_batch_plans(list(range(len(sequences))), [len(s) for s in sequences], 4096,
+                                              prompt_groups(sequences, masks))
+        assert prefix_sharing(plans, sequences, masks) == shared
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = steps()
+    finally:
+        torch.set_num_threads(threads)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=rank_main, args=(rank, port, results)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        answers = gather(results, processes, timeout_s=100)
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    assert all(isinstance(answer, dict) for answer in answers.values()), answers
+    for rank, rows in ((0, [0]), (1, [1, 2])):
+        for key in ("policy_logprobs", "reference_logprobs"):
+            assert [i for i, row in enumerate(answers[rank][key]) if row is not None] == rows
+            for i in rows:
+                assert answers[rank][key][i] == pytest.approx(alone[key][i], abs=1e-5)
+    for batch in ("uneven", "even_with_empty_rows"):
+        assert alone[batch]["grad_norm"] > 0
+        for rank in (0, 1):
+            assert answers[rank][batch]["grad_norm"] == pytest.approx(alone[batch]["grad_norm"], rel=1e-5)
+        assert answers[0][batch]["loss"] + answers[1][batch]["loss"] == pytest.approx(alone[batch]["loss"], abs=1e-6)
+
+
+def test_activation_checkpointing_in_training_runs_a_shared_prompt_in_full():
+    """Checkpointed layers keep no KV cache in train mode, so a batch marked to share its prompt
+    runs every row in full: the same logprobs and gradients as the unshared batch."""
+    from agentrl.models import enable_activation_checkpointing
+
+    sequences, masks, _ = group((5, 11, 8), (1.0, 0.0, -1.0))
+    shared = pad_sequences(sequences, masks, pad_id=2, share_prefix=True)
+    assert shared.shared_prefix == PROMPT_TOKENS - 1
+    results = []
+    for batch in (pad_sequences(sequences, masks, pad_id=2), shared):
+        model = small_llama().train()
+        enable_activation_checkpointing(model)
+        logprobs_BT, entropy_BT = token_logprobs(model, batch)
+        ((logprobs_BT * batch.mask_BT).sum() + 0.1 * entropy_BT.sum()).backward()
+        results.append((logprobs_BT.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(grad, results[1][1][name]) for name, grad in results[0][1].items())
+
+
+def test_rows_with_nothing_sampled_leave_the_update_unchanged():
+    sequences, masks, advantages = UNEVEN
+    updated = []
+    for batch in ((sequences, masks, advantages), with_context_filling_rows(sequences, masks, advantages)):
+        policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0, aggregation="seq-mean-token-mean")
+        updated.append((policy.update(*batch), policy.model.state_dict()))
+    assert updated[1][0] == updated[0][0] and updated[0][0]["grad_norm"] > 0
+    assert all(torch.equal(tensor, updated[1][1][name]) for name, tensor in updated[0][1].items())
+    # Nothing to train at all: the step runs and changes nothing.
+    policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0)
+    before = {name: tensor.clone() for name, tensor in policy.model.state_dict().items()}
+    assert policy.update(*with_context_filling_rows([], [], []))["grad_norm"] == 0.0
+    assert all(torch.equal(tensor, policy.model.state_dict()[name]) for name, tensor in before.items())
+
+
+def test_dropout_neither_moves_old_logprobs_nor_clips_at_unchanged_weights():
+    """The checkpoint's dropout is off for RL; the adapters' (a recipe setting) stays in training
+    but not in the passes without gradients."""
+    sequences, masks, advantages = UNEVEN
+    policy = PolicyWorker(small_llama(attention_dropout=0.1), 2, lr=1e-3, temperature=1.0)
+    first, second = policy.logprobs(sequences, masks), policy.logprobs(sequences, masks)
+    assert first == second and policy.model.training
+    metrics = policy.update(sequences, masks, advantages, old_logprobs=first)
+    assert (metrics["clip_fraction"], metrics["approx_kl"]) == (0.0, 0.0)
+
+    adapted = PolicyWorker(lora_model(lora_dropout=0.5), 2, lr=1e-3, temperature=1.0)
+    assert adapted.model.base_model.model.model.layers[0].self_attn.q_proj.lora_dropout["default"].p == 0.5
+    assert adapted.logprobs(sequences, masks) == adapted.logprobs(sequences, masks) and adapted.model.training
+
+    torch.manual_seed(0)
+    critic = CriticWorker(ValueModel(small_llama(attention_dropout=0.1).get_decoder()), 2, lr=1e-3, value_clip=0.2)
+    torch.nn.init.normal_(critic.model.head.weight)
+    values = critic.values(sequences, masks)
+    assert values == critic.values(sequences, masks) and critic.model.training
+    assert any(v != 0.0 for row in values for v in row)
+
+
+def test_the_reference_computes_like_the_policy_under_bf16(tiny_model_dir):
+    from agentrl.config import RecipeConfig
+    from agentrl.trainer.roles import make_policy, make_reference
+
+    config = RecipeConfig.model_validate({"model": {"path": str(tiny_model_dir)}, "algorithm": {"kl_coef": 0.1},
+                                          "trainer": {"device": "cpu", "dtype": "bfloat16"}})
+    policy, reference = make_policy(config, 2), make_reference(config, 2)
+    assert policy.bf16_autocast and reference.bf16_autocast
+    sequences, masks, advantages = UNEVEN
+    ref_logprobs = reference.logprobs(sequences, masks)
+    assert ref_logprobs == policy.logprobs(sequences, masks)
+    assert policy.update(sequences, masks, advantages, ref_logprobs=ref_logprobs)["kl_ref"] == 0.0
+
+
+def lora_model(**options):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(small_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"],
+                                                     **options))
+    torch.manual_seed(3)
+    for name, parameter in model.named_parameters():
+        if "lora_" in name:  # peft starts B at zero; a merge of zeros would prove nothing
+            torch.nn.init.normal_(parameter, std=0.1)
+    return model
+
+
+def test_lora_on_the_embeddings_is_merged_like_peft_does():
+    from agentrl.trainer.lora import merged_weights
+
+    model = lora_model()
+    sent = dict(merged_weights(model))
+    merged = model.merge_and_unload().state_dict()
+    assert sorted(sent) == sorted(set(merged) - {"lm_head.weight"})  # tied: the engine ties it back
+    assert all(torch.equal(tensor, merged[name]) for name, tensor in sent.items())
+    assert not torch.equal(sent["model.embed_tokens.weight"], small_llama().model.embed_tokens.weight)
+
+
+def test_a_lora_weight_that_cannot_be_merged_stops_the_sync(monkeypatch):
+    import agentrl.trainer.lora as lora
+
+    with pytest.raises(RuntimeError, match=r"^model\.embed_tokens\.lora_magnitude_vector\.default"
+                                           r"\.weight: a LoRA tensor this weight sync cannot merge"):
+        dict(lora.merged_weights(lora_model(use_dora=True)))
+    everything = lora.full_tensors
+    monkeypatch.setattr(lora, "full_tensors", lambda model: ((name, tensor) for name, tensor in everything(model)
+                                                             if "layers.1.self_attn.q_proj.lora_B" not in name))
+    with pytest.raises(RuntimeError, match=r"^LoRA merge incomplete: model\.layers\.1\.self_attn\.q_proj has only "
+                                           r"\['A', 'W'\]$"):
+        dict(lora.merged_weights(lora_model()))
