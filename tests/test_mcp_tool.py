@@ -145,3 +145,22 @@ class ByPrompt:
         reply = "Done." if "<|im_start|>tool" in text else self.turns[int(text.split("episode-")[1][0])]
         ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [2]
         return Completion(ids, [-0.01] * len(ids), "stop", 0)
+
+
+def test_a_driver_that_only_checks_the_tool_files_leaves_no_server_running(tmp_path):
+    from agentrl.recipe import load_recipe
+    from agentrl.rollout.run import load_driver_parts
+    from agentrl.tools.loader import close_tools
+
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    path = mcp_file(tmp_path, ["multiply", "calls_so_far"], marker)
+    tools = load_tools(path)
+    assert server_running(marker)
+    close_tools(tools)  # both tools share one server: closed once
+    time.sleep(0.5)
+    assert not server_running(marker)
+
+    config = load_recipe("recipes/quickstart.yaml", [f"rollout.tool_configs=[{path}]"])
+    tasks, tokenizer = load_driver_parts(config)
+    time.sleep(0.5)
+    assert tasks and tokenizer is not None and not server_running(marker)

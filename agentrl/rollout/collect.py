@@ -70,6 +70,7 @@ def summarize(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]
         "tool_error_rate": total("tool_errors") / total("tool_calls") if total("tool_calls") else 0.0,
         "tool_truncations": total("tool_truncations"),
         "tool_timeouts": total("tool_timeouts"),
+        "tool_lifecycle_errors": total("tool_lifecycle_errors"),
         "template_fallbacks": total("template_fallbacks"),
         "mean_turns": total("turns") / n,
         "mask_coverage": generated / max(sum(len(t.token_ids) for t in trajectories), 1),

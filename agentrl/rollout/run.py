@@ -26,7 +26,7 @@ from agentrl.rollout.engine import Engine
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.rollout.memory_saver import memory_saver_for
-from agentrl.tools.loader import load_tool_files
+from agentrl.tools.loader import close_tools, load_tool_files
 from agentrl.tools.parsers import get_parser
 from agentrl.types import Task
 
@@ -86,6 +86,7 @@ def load_driver_parts(config: RecipeConfig) -> tuple[list[Task], Any]:
     """What a training driver needs without loading a model: the user's files checked, then the
     task pool and the tokenizer."""
     tools, _, _ = load_user_parts(config)
+    close_tools(tools)  # checked only: the rollout workers open their own
     tasks = load_tasks(config)
     return tasks, load_tokenizer(config.model.path, config.model.chat_template,
                                  needs_tools=bool(tools) or config.rollout.agent is not None)

@@ -266,3 +266,15 @@ def _entry_label(entry: Any, index: int) -> str:
     if isinstance(entry, dict) and isinstance(entry.get("class"), str):
         return f"tool #{index} (class '{entry['class']}')"
     return f"tool #{index}"
+
+
+def close_tools(tools: list[Tool]) -> None:
+    """Close the connections behind tools that came from one server entry (MCPTools, RemoteTools:
+    their members share a `source`): a process that loaded a tool file only to check it keeps no
+    MCP server process or HTTP client alive for the rest of the run."""
+    closed: set[int] = set()
+    for t in tools:
+        source = getattr(t, "source", None)
+        if source is not None and id(source) not in closed and callable(getattr(source, "close", None)):
+            closed.add(id(source))
+            source.close()
