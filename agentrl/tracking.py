@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -79,10 +80,11 @@ class RunLogger:
             self._wandb_run = _import_wandb(wandb).init(
                 project=wandb, name=self.run_dir.name, dir=str(self.run_dir), config=dict(config))
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        kept = self._kept_lines(start_step)
-        self._jsonl = self.metrics_path.open("w")
-        self._jsonl.writelines(kept)
-        self._jsonl.flush()
+        # The kept lines go to a new file that replaces the old one, so a crash here loses nothing.
+        staging = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        staging.write_text("".join(self._kept_lines(start_step)))
+        os.replace(staging, self.metrics_path)
+        self._jsonl = self.metrics_path.open("a")
         # purge_step drops events at or after it that an earlier (killed or older) run left behind
         self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
         self._tb.add_text("config", "```\n" + json.dumps(dict(config), indent=2, default=str) + "\n```", start_step)
@@ -92,8 +94,15 @@ class RunLogger:
     def _kept_lines(self, start_step: int) -> list[str]:
         if start_step <= 0 or not self.metrics_path.is_file():
             return []
-        lines = self.metrics_path.read_text().splitlines(keepends=True)
-        return [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the crash being resumed from
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= start_step:
+                kept.append(line + "\n")
+        return kept
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """One step: a JSONL line ({'step': step, **metrics}), scalars in TensorBoard and W&B, the bar."""

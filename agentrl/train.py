@@ -9,6 +9,8 @@ over ranks ('ray', trainer/launch.py); the driver makes the same calls either wa
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -116,6 +118,27 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
     return history
 
 
+EARLIER_RUN = ("checkpoints", "trajectories", "metrics.jsonl")
+
+
+def set_aside_earlier_run(run_dir: Path) -> None:
+    """A run that starts from step 0 in a directory an earlier run used moves that run's
+    checkpoints, trajectories and metrics into previous/ (replacing what an even earlier one left
+    there). Left in place, the earlier run's newer checkpoints would outrank this run's (pruning
+    would delete this run's own, and resume=auto would continue the other run), and its later
+    trajectory files would show as this run's steps."""
+    found = [name for name in EARLIER_RUN if (run_dir / name).exists()]
+    if not found:
+        return
+    previous = run_dir / "previous"
+    shutil.rmtree(previous, ignore_errors=True)
+    previous.mkdir()
+    for name in found:
+        os.replace(run_dir / name, previous / name)
+    print(f"agentrl: {run_dir} held an earlier run ({', '.join(found)}); moved to {previous} "
+          "(trainer.resume=auto continues a run instead)", file=sys.stderr)
+
+
 def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Path) -> list[dict[str, float]]:
     """The RL steps, from the newest checkpoint when resuming; returns the metrics of every step."""
     t, a, r = config.trainer, config.algorithm, config.rollout
@@ -126,6 +149,8 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
         done, history = roles.load_checkpoint(checkpoint)
         roles.sync_weights(version=done)
         print(f"resumed from {checkpoint} after step {done}")
+    else:
+        set_aside_earlier_run(run_dir)
     # The dtypes `auto` chose (the probe is cached per process; Ray actors probe the same machine).
     dtypes = {"engine_bf16": float(choose_dtype(config.model.dtype, config.engine.device).dtype == "bfloat16"),
               "trainer_bf16": float(choose_dtype(t.dtype, t.device).dtype == "bfloat16")}

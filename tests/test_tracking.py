@@ -81,6 +81,16 @@ def test_resume_keeps_earlier_steps_once_and_a_fresh_run_starts_empty(tmp_path):
         {"step": 1, "reward_mean": 0.75}]
 
 
+def test_resume_skips_a_line_the_crash_cut_short(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.25}\n{"step": 2, "reward_mean": 0.5}\n'
+                                            '{"step": 3, "rew')
+    with RunLogger(tmp_path, {}, total_steps=3, start_step=2, progress=False) as logger:
+        logger.log(3, {"reward_mean": 0.0625})
+    assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "reward_mean": 0.25}, {"step": 2, "reward_mean": 0.5}, {"step": 3, "reward_mean": 0.0625}]
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
 def test_wandb_is_never_imported_unless_configured(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     with RunLogger(tmp_path, {}, total_steps=1, progress=False) as logger:

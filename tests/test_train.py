@@ -274,6 +274,16 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_recip
     assert rows[1]["weight_version"] == 1 and rows[1]["synced_version"] == 2 and rows[1]["rollout_logprob_diff"] < 1e-4
     # keep_checkpoints 1: only the newest complete checkpoint is left.
     assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["step_3"]
+    # Starting over in the same directory (resume never): the earlier run's step_3 would outrank
+    # this run's step_1 (pruned at once) and its step 2-3 trajectories would pass for this run's.
+    train(load_recipe(recipe, exact + [f"output_dir={tmp_path / 'split'}", "trainer.steps=1"]))
+    assert "moved to" in capsys.readouterr().err
+    listing = lambda path: sorted(p.name for p in path.iterdir())  # noqa: E731
+    assert listing(tmp_path / "split" / "checkpoints") == ["step_1"]
+    assert listing(tmp_path / "split" / "trajectories") == ["step_1.jsonl"]
+    assert listing(tmp_path / "split" / "previous" / "checkpoints") == ["step_3"]
+    assert listing(tmp_path / "split" / "previous" / "trajectories") == [f"step_{i}.jsonl" for i in (1, 2, 3)]
+    assert len((tmp_path / "split" / "previous" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_activation_checkpointing_gives_the_same_update():
