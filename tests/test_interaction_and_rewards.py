@@ -64,6 +64,26 @@ def test_parse_number(text, value):
     assert parse_number(text) == value
 
 
+@pytest.mark.parametrize("answer,reply,parsed,reward", [
+    ("#### 12", "Answer: 12 (ages 10-12)", 12.0, 1.0),  # a hyphen inside a range is not a minus
+    ("#### 10", "Total: 10.\nTime: 2023-10-05", 10.0, 1.0),  # a date is not a number
+    ("#### 7", "The answer is 7.\n\nSteps 1,2", 7.0, 1.0),  # nor a comma list
+    ("#### 345", "The answers are 3,4,5", None, 0.0),  # ill-grouped commas are no thousands separators
+    ("#### 0.5", "It is .5 of the cake", 0.5, 1.0),
+    ("#### 1,234", "She has 1,234 apples.", 1234.0, 1.0),  # GSM8K's own format on both sides
+    ("#### 1234567", "1,234,567", 1234567.0, 1.0),
+    ("#### -3", "It is -3", -3.0, 1.0),
+    ("#### -3", "It is \u22123", -3.0, 1.0),  # the typographic minus
+    ("#### 1200.5", "$1,200.50", 1200.5, 1.0),
+    ("#### 4", "Answer: 3-4", None, 0.0),  # a range is no answer
+    ("#### 4", "5-1=4", 4.0, 1.0),
+    ("#### 19", "COVID-19", 19.0, 1.0),  # after a letter the hyphen is no minus
+])
+def test_gsm8k_reward_reads_numbers_not_ranges_dates_or_lists(answer, reply, parsed, reward):
+    assert parse_number(reply) == parsed
+    assert gsm8k_reward(Task(id="x", prompt="p", answer=answer), [{"role": "assistant", "content": reply}]) == reward
+
+
 def test_gsm8k_reward_uses_last_number_of_final_message():
     assert gsm8k_reward(TASK, [{"role": "assistant", "content": "48 + 24 = 72"}]) == 1.0
     assert gsm8k_reward(TASK, [{"role": "assistant", "content": "72 is wrong, it is 73"}]) == 0.0

@@ -27,7 +27,7 @@ from agentrl.env.rewards import gsm8k_reward
 from agentrl.errors import ConfigError
 from agentrl.rollout.chat import normalize_tool_calls
 from agentrl.rollout.collect import run_episodes
-from agentrl.rollout.episode import EpisodeSettings
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.rollout.run import build_runner
 from agentrl.serve.agent import AgentRunner, load_agent
@@ -310,6 +310,47 @@ def test_agent_failures_end_the_episode_as_errors(tokenizer):
             runner.close()
         assert traj.finish == "error" and traj.error.startswith(error) and traj.reward is None
         assert traj.metrics["error"] == 1.0 and len(engine.prompts) == 1
+
+
+def test_a_prompt_over_the_context_limit_ends_as_length_like_the_builtin_loop(tokenizer):
+    settings = {"max_context_tokens": 60}  # the task's prompt with the calculator schema is longer
+    builtin = EpisodeRunner(ScriptedEngine(tokenizer, [ANSWER]), tokenizer, [calculator], parse_hermes,
+                            EpisodeSettings(**settings), reward_fn=gsm8k_reward)
+    expected = asyncio.run(builtin.run(TASK, "g"))
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    runner = agent_runner(calculator_agent, engine, tokenizer, **settings)
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    assert (traj.finish, traj.error, traj.reward) == (expected.finish, expected.error, expected.reward) == \
+        ("length", None, 0.0)
+    assert traj.token_ids == expected.token_ids == ids_of(tokenizer, TASK.messages()) and len(traj.token_ids) > 60
+    assert traj.loss_mask == expected.loss_mask == [0] * len(traj.token_ids)
+    assert traj.messages == expected.messages == TASK.messages()
+    assert engine.prompts == [] and "error" not in traj.metrics and traj.metrics["turns"] == 0.0
+
+
+async def shortening_agent(ctx, task):
+    """Sends a history over the context limit, catches the refusal, retries with the task alone."""
+    client = ctx.openai_client()
+    try:
+        await client.chat.completions.create(model=ctx.model, tools=ctx.tools, messages=task.messages() + [
+            {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "more context " * 100}])
+    except openai.BadRequestError:
+        await client.chat.completions.create(model=ctx.model, messages=task.messages(), tools=ctx.tools)
+
+
+def test_a_refusal_the_agent_recovers_from_does_not_end_the_episode(tokenizer):
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    runner = agent_runner(shortening_agent, engine, tokenizer, max_context_tokens=300)
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    assert (traj.finish, traj.error, traj.reward) == ("stop", None, 1.0)
+    assert engine.prompts == [ids_of(tokenizer, TASK.messages())]  # the refused request sampled nothing
+    assert [m["role"] for m in traj.messages] == ["user", "assistant"] and traj.metrics["turns"] == 1.0
 
 
 async def hot_sampling_agent(ctx, task):

@@ -18,7 +18,9 @@ The trajectory is the session's last segment (sessions.py says why), with `segme
 session has `rollout.max_turns` turns and `rollout.max_context_tokens` tokens. Finish: that of the
 last sampled turn (`stop`, `length`); `max_turns` or `length` when the endpoint refused a request
 at a limit (the agent's exception from that refusal ends the episode normally); `error` for any
-other exception, or when the agent made no request with its session.
+other exception, or when the agent made no request with its session. An episode refused before
+its first turn (a prompt longer than `rollout.max_context_tokens`) records what the builtin loop
+records for it: the task's prompt, rendered, nothing trainable, finish `length`.
 
 This module does not sample, parse or record (service.py and sessions.py do).
 """
@@ -183,10 +185,13 @@ class AgentRunner:
         if failure is not None and session.refused is None:
             traj.finish, traj.error = "error", f"{type(failure).__name__}: {failure}"
             return traj
-        if not session.segments:
+        if not session.segments and session.refused is None:
             traj.finish, traj.error = "error", f"the agent made no chat completion request with its session " \
                                                f"(header {SESSION_HEADER}: {session_id})"
             return traj
+        if not session.segments:  # refused before any turn: what the builtin loop records for a prompt too long
+            traj.messages = task.messages(s.system_prompt)
+            traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
         traj.finish = session.refused or traj.finish
         outcome = outcome_reward(self.reward_fn, task, traj.messages)
         traj.reward = (outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)

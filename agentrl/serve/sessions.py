@@ -59,7 +59,7 @@ class Session:
     turns: int = 0
     template_fallbacks: int = 0
     parse_errors: int = 0
-    refused: Literal["max_turns", "length"] | None = None  # once a limit refused a request
+    refused: Literal["max_turns", "length"] | None = None  # a limit refused a request after the last sampled turn
 
     def metrics(self) -> dict[str, float]:
         last = self.segments[-1] if self.segments else None
@@ -133,6 +133,7 @@ def commit_turn(session: Session, plan: TurnPlan, completion: Completion, record
     segment.last_exact = exact
     session.turns += 1
     session.template_fallbacks += not exact
+    session.refused = None  # a refusal the client recovered from did not end the episode
     return segment
 
 
