@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -211,15 +212,85 @@ def test_rows_joining_and_leaving_on_a_script_decode_exactly_as_alone(tiny_model
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_a_failed_decode_reaches_its_caller_and_the_engine_keeps_serving(tiny_model):
+def test_a_failed_decode_reaches_its_caller_and_the_engine_keeps_serving(tiny_model, monkeypatch):
     engine = HFEngine(tiny_model, pad_token_id=2)
+    step = engine._step
+
+    def broken_once(batch):
+        monkeypatch.setattr(engine, "_step", step)
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine, "_step", broken_once)
 
     async def run():
-        with pytest.raises(IndexError):
-            await engine.generate([1, 10**6], greedy(3))  # an id outside the vocabulary
+        with pytest.raises(RuntimeError, match="^out of memory$"):
+            await engine.generate(PROMPTS[0], greedy(3))
         return await engine.generate(PROMPTS[0], greedy(3))
 
     assert len(asyncio.run(run()).token_ids) == 3
+
+
+def test_an_id_outside_the_vocabulary_fails_only_its_own_request(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    vocabulary = tiny_model.get_input_embeddings().num_embeddings
+
+    async def run():
+        running = asyncio.ensure_future(engine.generate(PROMPTS[0], greedy(40)))
+        while engine.stats["requests"] == 0:
+            await asyncio.sleep(0.005)
+        with pytest.raises(ValueError, match=rf"^generate: token id {vocabulary} is outside the model's "
+                                             rf"vocabulary \(0..{vocabulary - 1}\)$"):
+            await engine.generate([1, vocabulary], greedy(3))
+        return await running
+
+    assert len(asyncio.run(run()).token_ids) == 40
+
+
+def test_a_request_queued_while_the_decode_thread_decides_to_stop_still_runs(tiny_model):
+    """The decode thread finds nothing waiting and ends; a request queued in between (here held
+    open by a pause after the decision) must start a new thread, not wait for the ending one."""
+
+    class PausingEngine(HFEngine):
+        def _serve_one(self):
+            more = super()._serve_one()
+            if not more:
+                time.sleep(0.3)  # a thread switch right after deciding to stop
+            return more
+
+    engine = PausingEngine(tiny_model, pad_token_id=2)
+
+    async def run():
+        first = await engine.generate(PROMPTS[0], greedy(3))
+        await asyncio.sleep(0.05)  # the thread is inside its pause now
+        second = await asyncio.wait_for(engine.generate(PROMPTS[1], greedy(3)), timeout=10)
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert len(first.token_ids) == len(second.token_ids) == 3
+
+
+def test_a_request_with_other_settings_is_not_starved_by_requests_joining_the_running_batch(tiny_model):
+    """A (temperature 1) decodes; G (greedy) waits for other settings; B (temperature 1) arrives
+    after G. B could join A's running batch, but G is older: A's batch drains, then G runs, then B."""
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    hot = lambda n: SamplingParams(n, 1.0, stop_token_ids=())  # noqa: E731
+    finished = []
+
+    async def run():
+        a = asyncio.ensure_future(engine.generate(PROMPTS[0], hot(200)))
+        while engine.stats["requests"] == 0:
+            await asyncio.sleep(0.005)
+        g = asyncio.ensure_future(engine.generate(PROMPTS[1], greedy(3)))
+        await asyncio.sleep(0.01)
+        b = asyncio.ensure_future(engine.generate(PROMPTS[2], hot(3)))
+        for name, future in (("a", a), ("g", g), ("b", b)):
+            future.add_done_callback(lambda _, name=name: finished.append(name))
+        await asyncio.gather(a, g, b)
+
+    asyncio.run(run())
+    assert finished == ["a", "g", "b"] and engine.stats["batches"] == 3 and engine.stats["joined_requests"] == 0
+
+
 
 
 def test_a_cancelled_caller_stops_its_row_and_a_cancelled_waiting_request_never_runs(tiny_model):

@@ -250,6 +250,31 @@ def test_server_engine_retries_then_names_url_route_and_cause(monkeypatch):
     assert engine.weight_version == 1
 
 
+def test_a_request_that_timed_out_waiting_for_its_answer_is_not_sent_again(monkeypatch):
+    """A server that accepts but never answers: the request may still be running there, so it
+    fails after one timeout (naming it) instead of being sent three times."""
+    server = FakeServer()
+    monkeypatch.setattr(sglang_server.httpx, "Client", partial(httpx.Client, transport=httpx.MockTransport(server)))
+    monkeypatch.setattr(sglang_server.time, "sleep", lambda s: None)
+    engine = SGLangServerEngine("http://127.0.0.1:9/", {})
+    sent = []
+
+    def hung(request):
+        sent.append(request.url.path)
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    engine._client._transport = httpx.MockTransport(hung)
+    with pytest.raises(RuntimeError, match=r"^SGLang server at http://127.0.0.1:9: POST /flush_cache failed "
+                                           r"\(ReadTimeout: timed out\)$"):
+        engine.update_weights([], version=1)
+    assert sent == ["/flush_cache"]
+
+
+def test_list_and_mapping_values_become_flags_argparse_reads():
+    flags = cli_flags({"cuda_graph_bs": [1, 2, 4], "json_model_override_args": {"a": 1}, "tp_size": 2})
+    assert flags == ["--cuda-graph-bs", "1", "2", "4", "--json-model-override-args", '{"a": 1}', "--tp-size", "2"]
+
+
 def test_health_check_on_a_port_nothing_listens_on_fails_at_once():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

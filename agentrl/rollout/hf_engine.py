@@ -1,7 +1,7 @@
 """The transformers engine: batches the generate calls of many concurrent episodes.
 
 Episodes call `await engine.generate(ids, sampling)` independently; a worker thread gathers the
-requests waiting at that moment (same sampling settings) and decodes them together, left-padded and
+requests waiting at that moment (same sampling settings; pending.py queues them) and decodes them together, left-padded and
 KV-cached. The batch keeps running: a row that stops leaves it at once and its caller gets its
 tokens, and requests with the same settings that arrive meanwhile (episodes back from their tools)
 join it at the next step (running_batch.py), so no episode waits for the slowest row of a batch;
@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -33,26 +32,11 @@ from agentrl.rollout.kv_cache import PrefixKVCache, check_cache_layout, plan_reu
 from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
+from agentrl.rollout.pending import PendingRequests, Request, resolve
 from agentrl.rollout.packed_attention import install, packed
 from agentrl.types import Completion, SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
-
-
-@dataclass
-class _Request:
-    token_ids: list[int]
-    sampling: SamplingParams
-    future: asyncio.Future
-
-
-def _resolve(future: asyncio.Future, result: Completion | Exception) -> None:
-    if future.done():  # the caller was cancelled
-        return
-    if isinstance(result, Exception):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
 
 
 class HFEngine:
@@ -74,22 +58,19 @@ class HFEngine:
         check_cache_layout(model)  # the running batch and the prefix cache hold plain per-layer keys and values
         self.prefix_cache = PrefixKVCache(kv_cache_bytes)  # 0 bytes turns prefix reuse off
         self.mixed_passes = install(model)  # rows join running ones in one packed pass (SDPA models)
-        self._pending: list[_Request] = []
-        self._pending_lock = threading.Lock()  # the event loop adds requests, the decode thread takes them
-        self._serving = False  # a decode thread is running (guarded by _pending_lock)
-        self._stopped = threading.Condition(self._pending_lock)  # notified when the decode thread ends
+        self._pending = PendingRequests()  # the event loop adds requests, the decode thread takes them
         self._server: asyncio.Future | None = None
         self._lock = threading.Lock()  # decoding and weight updates never overlap
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
         if not token_ids:
             raise ValueError("generate needs at least one prompt token")
-        loop = asyncio.get_running_loop()
-        request = _Request(list(token_ids), sampling, loop.create_future())
-        with self._pending_lock:
-            self._pending.append(request)
-            start, self._serving = not self._serving, True
-        if start:
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        if not all(0 <= t < vocabulary for t in token_ids):  # inside a batch it would fail every row
+            bad = next(t for t in token_ids if not 0 <= t < vocabulary)
+            raise ValueError(f"generate: token id {bad} is outside the model's vocabulary (0..{vocabulary - 1})")
+        request = Request(list(token_ids), sampling, asyncio.get_running_loop().create_future())
+        if self._pending.add(request):
             self._server = asyncio.ensure_future(asyncio.to_thread(self._serve))
         return await request.future
 
@@ -98,43 +79,39 @@ class HFEngine:
         try:
             while self._serve_one():
                 pass
-        finally:  # also when something unforeseen broke: the next request starts a new thread
-            with self._pending_lock:
-                self._serving = False
-                self._stopped.notify_all()
+        except BaseException:  # something unforeseen broke: the next request starts a new thread
+            self._pending.stopped()
+            raise
 
     @property
     def serving(self) -> bool:
         """Whether a decode thread is running (it stops once no request waits)."""
-        with self._pending_lock:
-            return self._serving
+        return self._pending.serving
 
     def wait_idle(self, timeout_s: float | None = 30.0) -> bool:
         """Block until the decode thread has stopped; False on timeout. The rollout calls this before
         returning: the thread runs on a daemon executor, and a process that exits while it is still
         inside torch (tidying the batch after its last result) can abort in torch's C++ teardown."""
-        with self._stopped:
-            return self._stopped.wait_for(lambda: not self._serving, timeout_s)
+        return self._pending.wait_idle(timeout_s)
 
     def _serve_one(self) -> bool:
         """One running batch, from the oldest waiting request's settings; False when none waits."""
         time.sleep(self.batch_wait_s)  # episodes about to ask join the first step
-        with self._pending_lock:
-            if not self._pending:
-                return False
-            key = self._pending[0].sampling.batch_key()
+        key = self._pending.next_key()
+        if key is None:
+            return False
         rows: list[Row] = []
         settled: set[int] = set()
 
         def admit(room: int) -> list[Row]:
-            new = [Row(r.token_ids, r.sampling, owner=r) for r in self._take(key, room)]
+            new = [Row(r.token_ids, r.sampling, owner=r) for r in self._pending.take(key, room)]
             rows.extend(new)
             return new
 
         def settle(row: Row, result: Completion | Exception) -> None:
             settled.add(id(row))
             future = row.owner.future
-            future.get_loop().call_soon_threadsafe(_resolve, future, result)
+            future.get_loop().call_soon_threadsafe(resolve, future, result)
 
         try:
             # The KV cache and activations are allocated in the region release_memory frees.
@@ -145,16 +122,6 @@ class HFEngine:
                 if id(row) not in settled:
                     settle(row, e)
         return True
-
-    def _take(self, key: tuple, room: int) -> list[_Request]:
-        """Up to `room` waiting requests with sampling settings `key`, oldest first; requests whose
-        caller was cancelled while they waited are dropped."""
-        with self._pending_lock:
-            self._pending = [r for r in self._pending if not r.future.done()]
-            taken = [r for r in self._pending if r.sampling.batch_key() == key][:room]
-            ids = {id(r) for r in taken}
-            self._pending = [r for r in self._pending if id(r) not in ids]
-        return taken
 
     def _completion(self, row: Row) -> Completion:
         return Completion(row.ids, row.logprobs, row.finish, self.weight_version)  # type: ignore[arg-type]
@@ -235,7 +202,7 @@ class HFEngine:
         """Rows that stopped leave the batch: their keys and values go to the prefix cache, their
         result to the caller. A row whose caller was cancelled (an HTTP client that hung up) stops too."""
         for row in batch.rows:
-            if isinstance(row.owner, _Request) and row.owner.future.cancelled():
+            if isinstance(row.owner, Request) and row.owner.future.cancelled():
                 row.done = True
         finished = [row for row in batch.rows if row.done]
         if not finished:

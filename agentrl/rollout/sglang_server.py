@@ -3,7 +3,8 @@
 The same protocol as the in-process engine, through SGLang's routes: /generate (input_ids in,
 output_ids and logprobs out), /update_weights_from_tensor or /update_weights_from_disk, /flush_cache,
 /release_memory_occupation, /resume_memory_occupation and /health_generate. Every request has a
-timeout; one that cannot reach the server is retried with backoff, and if it still fails the error
+timeout; one that cannot reach the server is retried with backoff (one that timed out waiting for
+its answer is not: it may still be running there), and if it still fails the error
 names the URL, the route and the cause (with the launched server's exit code and log tail), so a
 dead server stops the run instead of hanging it.
 
@@ -28,6 +29,7 @@ import base64
 import importlib
 import io
 import itertools
+import json
 import os
 import pickle
 import shutil
@@ -50,16 +52,24 @@ from agentrl.rollout.sglang_engine import (IDLE_TIMEOUT_S, ReleasedRegions, chec
 from agentrl.types import Completion, SamplingParams
 
 RETRIES = 3  # attempts for a request that cannot reach the server
+# Only a request that never reached the server is sent again: one that timed out waiting for its
+# answer may still be running there, and three more waits of timeout_s would hide a hung server.
+UNREACHED = (httpx.ConnectError, httpx.ConnectTimeout)
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 def cli_flags(args: dict[str, Any]) -> list[str]:
-    """ServerArgs fields → launch_server flags (`tp_size=2` → `--tp-size 2`, True → bare flag)."""
+    """ServerArgs fields → launch_server flags (`tp_size=2` → `--tp-size 2`, True → bare flag, a
+    list → one value each as argparse's nargs reads them, a mapping → JSON)."""
     flags: list[str] = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             flags.append(flag)
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
         elif value is not None and value is not False:
             flags += [flag, str(value)]
     return flags
@@ -165,7 +175,7 @@ class SGLangServerEngine:
                                                 timeout=timeout or self.timeout_s)
                 break
             except httpx.TransportError as e:  # not reachable, or no answer within the timeout
-                if attempt == retries - 1:
+                if attempt == retries - 1 or not isinstance(e, UNREACHED):
                     raise self._failure(f"{method} {route}", f"{type(e).__name__}: {e}") from None
                 time.sleep(0.5 * 2**attempt)
         if response.status_code != 200:
@@ -194,7 +204,7 @@ class SGLangServerEngine:
                 response = await self._async_client().post("/generate", json=body)
                 break
             except httpx.TransportError as e:
-                if attempt == RETRIES - 1:
+                if attempt == RETRIES - 1 or not isinstance(e, UNREACHED):
                     raise self._failure("POST /generate", f"{type(e).__name__}: {e}") from None
                 await asyncio.sleep(0.5 * 2**attempt)
         if response.status_code != 200:

@@ -1,0 +1,91 @@
+"""The requests waiting for the transformers engine's decode thread, and whether that thread runs.
+
+The event loop queues requests (`add`); the decode thread takes them batch by batch (`next_key`,
+`take`) and stops when none waits. Both sides decide under one lock, so a request queued while the
+thread is deciding to stop starts a new thread rather than waiting for one that is ending. A
+request whose caller was cancelled (an HTTP client that hung up) is dropped unseen.
+
+This module does not decode; hf_engine.py does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from agentrl.types import Completion, SamplingParams
+
+
+@dataclass
+class Request:
+    token_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+
+
+def resolve(future: asyncio.Future, result: Completion | Exception) -> None:
+    """Hand a result (or failure) to a waiting caller, in the caller's event loop."""
+    if future.done():  # the caller was cancelled
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+class PendingRequests:
+    def __init__(self) -> None:
+        self._requests: list[Request] = []
+        self._lock = threading.Lock()
+        self._serving = False  # a decode thread runs
+        self._stopped = threading.Condition(self._lock)  # notified when it ends
+
+    def add(self, request: Request) -> bool:
+        """Queue a request; True when no decode thread runs and the caller must start one."""
+        with self._lock:
+            self._requests.append(request)
+            start, self._serving = not self._serving, True
+        return start
+
+    def next_key(self) -> tuple | None:
+        """The sampling settings of the oldest waiting request; None when none waits, and then the
+        decode thread counts as stopped."""
+        with self._lock:
+            self._drop_cancelled()
+            if not self._requests:
+                self._serving = False
+                self._stopped.notify_all()
+                return None
+            return self._requests[0].sampling.batch_key()
+
+    def take(self, key: tuple, room: int) -> list[Request]:
+        """Up to `room` waiting requests with sampling settings `key`, oldest first, and none while
+        the oldest waiting request has other settings: a stream of requests joining a running batch
+        would otherwise keep it waiting for as long as the stream lasts."""
+        with self._lock:
+            self._drop_cancelled()
+            if self._requests and self._requests[0].sampling.batch_key() != key:
+                return []
+            taken = [r for r in self._requests if r.sampling.batch_key() == key][:room]
+            ids = {id(r) for r in taken}
+            self._requests = [r for r in self._requests if id(r) not in ids]
+        return taken
+
+    def stopped(self) -> None:
+        """The decode thread ended without `next_key` saying so (it broke)."""
+        with self._lock:
+            self._serving = False
+            self._stopped.notify_all()
+
+    @property
+    def serving(self) -> bool:
+        with self._lock:
+            return self._serving
+
+    def wait_idle(self, timeout_s: float | None) -> bool:
+        with self._stopped:
+            return self._stopped.wait_for(lambda: not self._serving, timeout_s)
+
+    def _drop_cancelled(self) -> None:
+        self._requests = [r for r in self._requests if not r.future.done()]
