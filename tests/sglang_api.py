@@ -19,7 +19,9 @@ SNAPSHOT = Path(__file__).with_name("sglang_api.json")
 ROOT = "python/sglang/srt/"
 ENGINE_METHODS = ["__init__", "async_generate", "update_weights_from_tensor", "flush_cache",
                   "release_memory_occupation", "resume_memory_occupation", "shutdown"]
-TOKENIZER_METHODS = ["flush_cache"]  # Engine.tokenizer_manager's (its flush can wait for an idle scheduler)
+# Engine.tokenizer_manager's: its flush can wait for an idle scheduler; abort_request stops a
+# request whose caller was cancelled
+TOKENIZER_METHODS = ["flush_cache", "abort_request"]
 SERVER_ARGS = ["model_path", "device", "dtype", "random_seed", "tp_size", "mem_fraction_static",
                "skip_tokenizer_init", "enable_memory_saver", "log_level", "max_total_tokens",
                "attention_backend", "disable_overlap_schedule", "base_gpu_id", "host", "port"]
@@ -32,7 +34,7 @@ REQUESTS = ["GenerateReqInput", "UpdateWeightsFromTensorReqInput", "UpdateWeight
 def read_sources(tarball: str | Path) -> dict[str, ast.Module]:
     """The parsed modules this snapshot reads, straight from the tarball's members."""
     names = {"engine": "entrypoints/engine.py", "server_args": "server_args.py", "http": "entrypoints/http_server.py",
-             "tokenizer": "managers/tokenizer_control_mixin.py",
+             "tokenizer": "managers/tokenizer_control_mixin.py", "tokenizer_manager": "managers/tokenizer_manager.py",
              "io": "managers/io_struct.py", "sampling": "sampling/sampling_params.py", "constants": "constants.py",
              "common": "utils/common.py"}
     wanted = {ROOT + path: key for key, path in names.items()}
@@ -115,8 +117,9 @@ def extract(tarball: str | Path) -> dict:
     m = read_sources(tarball)
     engine = {n.name: n for n in find_class(m["engine"], "Engine").body
               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    tokenizer = {n.name: n for n in find_class(m["tokenizer"], "TokenizerControlMixin").body
-                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    tokenizer = {n.name: n for cls in (find_class(m["tokenizer"], "TokenizerControlMixin"),
+                                       find_class(m["tokenizer_manager"], "TokenizerManager"))
+                 for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     server_args = fields(find_class(m["server_args"], "ServerArgs"))
     all_routes = routes(m["http"])
     unpickler = find_class(m["common"], "SafeUnpickler")

@@ -71,6 +71,15 @@ def test_in_process_engine_calls_exist_with_those_keywords():
     assert engine_calls("self._engine.tokenizer_manager") == [("flush_cache", ["timeout_s"])]
     spec = API["tokenizer_manager_methods"]["flush_cache"]
     assert spec["async"] and "timeout_s" in spec["params"]
+    # A cancelled caller's request is aborted by its rid: abort_request(rid), a plain function
+    # scheduled on the engine's loop, and generate passes that rid to async_generate.
+    tree = ast.parse(ENGINE_SOURCE.read_text())
+    scheduled = [node.args for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and ast.unparse(node.func) == "self._thread.loop.call_soon_threadsafe"]
+    assert [ast.unparse(args[0]) for args in scheduled] == ["self._engine.tokenizer_manager.abort_request"]
+    abort = API["tokenizer_manager_methods"]["abort_request"]
+    assert not abort["async"] and abort["params"][:2] == ["self", "rid"] and len(scheduled[0]) == 2
+    assert ("async_generate", ["input_ids", "sampling_params", "return_logprob", "rid"]) in calls
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])

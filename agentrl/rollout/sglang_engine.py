@@ -24,6 +24,7 @@ import asyncio
 import importlib.util
 import os
 import threading
+import uuid
 from typing import Any, Coroutine, Iterable, Iterator
 
 import torch
@@ -171,9 +172,15 @@ class SGLangEngine:
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
         if not token_ids:
             raise ValueError("generate needs at least one prompt token")
-        version = self.weight_version
-        out = await self._submit(self._engine.async_generate(
-            input_ids=list(token_ids), sampling_params=sampling_dict(sampling), return_logprob=True))
+        version, rid = self.weight_version, uuid.uuid4().hex
+        request = asyncio.run_coroutine_threadsafe(self._engine.async_generate(
+            input_ids=list(token_ids), sampling_params=sampling_dict(sampling), return_logprob=True, rid=rid),
+            self._thread.loop)
+        try:  # shielded: cancelling SGLang's own task only forgets the request, the scheduler decodes on
+            out = await asyncio.shield(asyncio.wrap_future(request))
+        except asyncio.CancelledError:  # the caller left (an HTTP client hung up): stop its decoding
+            self._thread.loop.call_soon_threadsafe(self._engine.tokenizer_manager.abort_request, rid)
+            raise
         completion = to_completion(out, version)
         self._count(out["meta_info"], len(completion.token_ids))
         return completion

@@ -106,6 +106,28 @@ def test_release_and_resume_keep_greedy_output_identical(engine, hf_engine, toke
     record(sync_s_in_process=round(sync_s, 2))
 
 
+def test_a_cancelled_caller_stops_its_request_in_the_scheduler(engine, tokenizer):
+    """A client that hangs up cancels generate, and the engine aborts the request by its rid.
+    Without the abort, cancelling SGLang's own task only forgets the request while the scheduler
+    keeps decoding it: the flush after the cancel (it waits for an idle scheduler, as the flush
+    before a release or a weight update does) took 3.8 s here without the abort and 0.8 s with it."""
+    runner = make_runner(engine, tokenizer)
+    prompt = runner.renderer.prompt_ids(tool_tasks(MORE_QUESTIONS)[0].messages())
+    endless = SamplingParams(max_new_tokens=4000, temperature=0.0, stop_token_ids=())
+
+    async def cancel_after_a_second():
+        request = asyncio.ensure_future(engine.generate(prompt, endless))
+        await asyncio.sleep(1.0)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+
+    asyncio.run(cancel_after_a_second())
+    started = time.perf_counter()
+    engine.flush_cache()
+    assert time.perf_counter() - started < 2.0
+
+
 def test_engine_logprobs_equal_the_trainers_after_a_weight_sync(engine, tokenizer):
     runner = make_runner(engine, tokenizer)
     prompt = runner.renderer.prompt_ids(tool_tasks(MORE_QUESTIONS)[1].messages())
