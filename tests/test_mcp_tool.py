@@ -160,7 +160,8 @@ def test_a_driver_that_only_checks_the_tool_files_leaves_no_server_running(tmp_p
     time.sleep(0.5)
     assert not server_running(marker)
 
-    config = load_recipe("recipes/quickstart.yaml", [f"rollout.tool_configs=[{path}]"])
+    config = load_recipe("recipes/quickstart.yaml",
+                         [f"rollout.tool_configs=[{path}]", "model.path=smollm2-135m-instruct"])
     tasks, tokenizer = load_driver_parts(config)
     time.sleep(0.5)
     assert tasks and tokenizer is not None and not server_running(marker)
