@@ -77,9 +77,7 @@ class EpisodeRunner:
         s = self.settings
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
                       lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
-        interaction = None
-        scores: list[float] = []  # the interaction's, one per reply
-        turns = fallbacks = 0
+        interaction, scores, turns, fallbacks = None, [], 0, 0  # scores: the interaction's, one per reply
         try:  # from here on, whatever fails, the tools' and the interaction's instances are released
             await env.start(uuid.uuid4().hex[:12], task)
             interaction = self.interaction_factory() if self.interaction_factory else None
