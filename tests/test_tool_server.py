@@ -267,6 +267,37 @@ def test_client_retries_5xx_and_connection_failures_with_backoff():
     source.close()
 
 
+class ProxyErrorHandler(FlakyHandler):
+    """A stand-in for a proxy that answers 502 after the tool behind it ran (a test cannot make
+    `agentrl tools serve` do that on purpose); everything else is real HTTP on loopback."""
+
+    executes = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path.endswith("/execute"):
+            ProxyErrorHandler.executes += 1
+            self.reply(502, {"detail": "bad gateway"})
+        else:
+            self.reply(200, {"instance_id": "abc", "error": None})
+
+
+def test_a_tool_call_is_not_sent_again_after_a_5xx_it_may_have_run_behind():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ProxyErrorHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", retries=2, backoff_s=0.01)
+    (echo,) = source.tools()
+    try:
+        asyncio.run(echo.create("e/echo"))
+        with pytest.raises(RemoteToolError, match=r"^HTTP 502: bad gateway$"):
+            asyncio.run(echo.execute("e/echo", {}))
+        assert ProxyErrorHandler.executes == 1
+    finally:
+        source.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_serve_refuses_to_start_without_a_token(tmp_path):
     (tmp_path / "t.yaml").write_text(TOOLS_YAML)
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_TOOL_TOKEN"}

@@ -29,6 +29,10 @@ from agentrl.tools.background_loop import BackgroundLoop
 from agentrl.tools.base import Tool, ToolResult
 
 RETRY_STATUS = range(500, 600)
+# A tool call is not idempotent: after a 500 from the server or a 502/504 from a proxy in front of
+# it, the tool may already have run, and running it again could repeat its effect. Only 503 (the
+# server refusing before any work) is retried for it.
+NOT_RUN_STATUS = (503,)
 
 
 class RemoteToolError(RuntimeError):
@@ -63,11 +67,14 @@ class RemoteTools:
     def tools(self) -> list[Tool]:
         return list(self._members)
 
-    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One API call from any event loop; retried on connection errors and 5xx."""
-        return await self._loop.run(self._request(method, path, body))
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                      repeatable: bool = True) -> dict[str, Any]:
+        """One API call from any event loop; retried on connection errors, and on 5xx when it is
+        `repeatable` (on 503 only when not: a tool call)."""
+        return await self._loop.run(self._request(method, path, body, repeatable))
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                       repeatable: bool = True) -> dict[str, Any]:
         problem = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -80,7 +87,7 @@ class RemoteTools:
                 continue
             except httpx.TimeoutException as e:
                 raise RemoteToolError(f"{method} {path}: no answer ({type(e).__name__})") from None
-            if response.status_code in RETRY_STATUS:
+            if response.status_code in (RETRY_STATUS if repeatable else NOT_RUN_STATUS):
                 problem = f"HTTP {response.status_code}: {_detail(response)}"
                 continue
             if response.status_code >= 400:
@@ -108,7 +115,7 @@ class RemoteTool:
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         reply = await self.source.request("POST", f"/instances/{self._remote(instance_id)}/execute",
-                                          {"arguments": arguments})
+                                          {"arguments": arguments}, repeatable=False)
         _raise_for(reply)
         return ToolResult(reply["text"], reply["reward"], reply["metrics"])
 
