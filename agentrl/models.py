@@ -21,6 +21,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from agentrl.errors import ConfigError
+from agentrl.yaml_files import read_utf8
 
 
 @dataclass(frozen=True)
@@ -133,11 +134,10 @@ def read_template(path: str) -> str:
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_utf8(path)
         _compile_jinja_template(text)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"model.chat_template: {path}: not UTF-8 text (byte {e.object[e.start]:#04x} "
-                          f"at offset {e.start})") from None
+    except ConfigError as e:
+        raise ConfigError(f"model.chat_template: {e}") from None
     except jinja2.TemplateSyntaxError as e:
         raise ConfigError(f"model.chat_template: {path}: line {e.lineno}: not valid Jinja ({e.message})") from None
     return text

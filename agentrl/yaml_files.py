@@ -41,13 +41,18 @@ def one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
+def read_utf8(path: str | Path) -> str:
+    """A user's text file, or a ConfigError naming the file and the first byte that is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+
+
 def load_yaml(path: str | Path) -> Any:
     """A user's YAML file, parsed (None when it holds no document), or a one-line ConfigError naming
     the file: not UTF-8, not valid YAML, or a key repeated in one mapping (with its lines)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    text = read_utf8(path)
     try:
         return yaml.load(text, Loader=UniqueKeyLoader)
     except RepeatedKey as e:
