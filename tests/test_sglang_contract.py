@@ -257,6 +257,9 @@ def test_server_engine_retries_then_names_url_route_and_cause(monkeypatch):
                                            r"\(ConnectError: connection refused\)$"):
         engine.update_weights([], version=2)
     assert engine.weight_version == 1
+    weights_dir = engine._weights_dir
+    engine.close()  # the server's current weights live in a temporary directory until then
+    assert not weights_dir.exists()
 
 
 def test_a_request_that_timed_out_waiting_for_its_answer_is_not_sent_again(monkeypatch):
