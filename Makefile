@@ -64,6 +64,7 @@ bench: setup runtime-packages
 	$(PY) bench/mixed_pass.py
 	$(PY) bench/decode_step.py
 	$(PY) bench/sampling.py
+	$(PY) bench/packed_update.py
 	$(PY) bench/vs_trl.py
 	$(PY) bench/fsdp_overhead.py
 	$(PY) bench/weight_sync.py

@@ -163,6 +163,15 @@ def load_model(name_or_path: str, dtype: str = "float32"):
     return model.eval()
 
 
+def plain_attention_layers(config) -> set[str]:
+    """The names of the cache layer kinds a model builds other than the plain DynamicLayer
+    (sliding windows, linear attention); empty when every layer attends to every earlier key."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
+
+
 def enable_activation_checkpointing(model) -> None:
     """Recompute each decoder layer's activations in the backward pass (any transformers 5.x)."""
     enable = getattr(model, "activation_checkpointing_enable", None)  # the newer name

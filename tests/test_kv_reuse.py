@@ -20,7 +20,8 @@ from agentrl.rollout.collect import collect
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.errors import ConfigError
-from agentrl.rollout.kv_cache import PrefixKVCache, plain_attention_layers
+from agentrl.models import plain_attention_layers
+from agentrl.rollout.kv_cache import PrefixKVCache
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from agentrl.trainer.sft import conversation_sample, sft_train

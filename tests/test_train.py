@@ -378,7 +378,7 @@ def test_training_goes_on_past_a_few_failed_episodes(tiny_recipe):
 def test_micro_batches_give_the_gradients_of_one_batch(aggregation):
     """Packing a mini-batch into several micro-batches accumulates exactly the one-batch gradient
     (policy loss, KL to a reference, entropy bonus), whatever the aggregation."""
-    from agentrl.trainer.logprobs import pack_micro_batches
+    from agentrl.trainer.packing import packed_rows, plan_micro_batches
 
     generator = torch.Generator().manual_seed(0)
     sequences, masks, advantages, refs = [], [], [], []
@@ -393,7 +393,7 @@ def test_micro_batches_give_the_gradients_of_one_batch(aggregation):
     # A reference near the policy (its own logprobs, shifted by up to ±0.2), as in training.
     for seq, mask, own in zip(sequences, masks, batched_logprobs(make_tiny_llama(), sequences, masks, 2, 0.9, 4096)):
         refs.append([(lp + 0.4 * float(torch.rand(1, generator=generator)) - 0.2) * m for lp, m in zip(own, mask)])
-    assert len(pack_micro_batches([len(s) for s in sequences], 40)) == 4
+    assert len(plan_micro_batches(packed_rows(list(range(5)), sequences, masks, None), 40)) == 4
 
     grads = []
     for budget in (40, 100_000):
@@ -407,46 +407,63 @@ def test_micro_batches_give_the_gradients_of_one_batch(aggregation):
     assert any(g.abs().sum() > 0 for g in grads[1].values())
 
 
-def test_a_groups_shared_prompt_runs_once_and_gives_the_full_rows_logprobs_and_gradients():
-    """Rows that share a 20-token prompt: the batch runs the prompt once (shared_prefix = 19, the
-    prompt minus its last token, whose hidden state predicts the first sampled one) and gives the
-    same logprobs and gradients as running every row in full, padding and a masked tool span included."""
-    from agentrl.trainer.logprobs import pad_sequences
+def test_a_groups_rows_packed_into_one_row_give_the_full_rows_logprobs_and_gradients():
+    """Rows that share a 20-token prompt, packed: the prompt once (19 tokens: its last token's
+    hidden state predicts each row's first sampled one, so every row keeps it), then each row's own
+    tokens; each row sees the prompt and itself only, at its own positions. The logprobs and
+    gradients are those of running every row in full, padding and a masked tool span included."""
+    from agentrl.trainer.logprobs import pad_sequences, padded_micro_batches
+    from agentrl.trainer.packing import PackedRow, pack_cost, packed_rows
 
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 49000, (20,), generator=generator).tolist()
     sequences = [prompt + torch.randint(3, 49000, (n,), generator=generator).tolist() for n in (5, 11, 8)]
     masks = [[0] * 20 + [1] * (len(s) - 20) for s in sequences]
     masks[1][24:27] = [0, 0, 0]  # a tool result between two sampled spans
-    shared = pad_sequences(sequences, masks, pad_id=2, share_prefix=True)
-    full = pad_sequences(sequences, masks, pad_id=2)
-    assert (shared.shared_prefix, full.shared_prefix) == (19, 0)
-    assert pad_sequences(sequences[:1], masks[:1], pad_id=2, share_prefix=True).shared_prefix == 0  # one row
+    assert packed_rows([0, 1, 2], sequences, masks, pack_cost(make_tiny_llama())) == [PackedRow([0, 1, 2], 19, 46)]
+    (idx, packed), = padded_micro_batches([[PackedRow([0, 1, 2], 19, 46)]], sequences, masks, 2, "cpu")
+    layout = packed.packed
+    assert idx == [0, 1, 2]
+    assert layout.ids_GL[0].tolist() == prompt[:19] + sequences[0][19:] + sequences[1][19:] + sequences[2][19:]
+    assert layout.positions_GL[0].tolist() == [*range(19), *range(19, 25), *range(19, 31), *range(19, 28)]
+    # Row 1's last token (packed position 36) sees the prompt and its own 12 tokens, nothing of row 0.
+    assert layout.attention_G1LL[0, 0, 36].nonzero().flatten().tolist() == [*range(19), *range(25, 37)]
+    assert layout.where_BT[2, :28].tolist() == [*range(19), *range(37, 46)]
+    assert next(padded_micro_batches([[PackedRow([0], 0, 25)]], sequences, masks, 2, "cpu"))[1].packed is None
 
     results = []
-    for batch in (full, shared):
+    for batch in (pad_sequences(sequences, masks, pad_id=2), packed):
         model = make_tiny_llama()
         logprobs_BT, entropy_BT = token_logprobs(model, batch, temperature=0.8)
         ((logprobs_BT * batch.mask_BT).sum() + entropy_BT.sum() * 0.1).backward()
         results.append((logprobs_BT.detach(), {n: p.grad for n, p in model.named_parameters()}))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
-    assert (results[1][0] * (1 - shared.mask_BT) == 0).all()
+    assert (results[1][0] * (1 - packed.mask_BT) == 0).all()
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_micro_batches_keep_a_prompts_rows_together_and_count_the_prompt_once():
-    from agentrl.trainer.logprobs import pack_micro_batches, prompt_groups
+def test_micro_batches_pack_a_prompts_rows_and_split_them_when_attention_would_cost_more():
+    from agentrl.trainer.packing import PackCost, PackedRow, packed_rows, plan_micro_batches
 
     a, b = [5] * 30, [6] * 30  # two prompts of 30 tokens, each shared by three rows
     sequences = [a + [7] * 10, b + [8] * 20, a + [9] * 12, [4] * 25, b + [8] * 5, a + [7] * 10, b + [9] * 7]
     masks = [[0] * 30 + [1] * (len(s) - 30) if s[0] != 4 else [0] * 5 + [1] * 20 for s in sequences]
-    groups = prompt_groups(sequences, masks)
-    assert groups == [(0, 29), (1, 29), (0, 29), (2, 0), (1, 29), (0, 29), (1, 29)]
-    lengths = [len(s) for s in sequences]
-    # Prompt a's rows cost 29 + 3 × (42 - 29) = 68 tokens together, not 3 × 42 = 126.
-    assert pack_micro_batches(lengths, 70, groups) == [[0, 5, 2], [4, 6], [1], [3]]
-    assert pack_micro_batches(lengths, 70) == [[3, 4], [6], [0], [5], [2], [1]]  # no groups: rows × longest
+    # Prompt a's rows: its 29 shared tokens once, then 11 + 13 + 11 of their own: 64 tokens, not 3 × 42.
+    packed = packed_rows(list(range(7)), sequences, masks, PackCost(token=1.0, pair=0.0))
+    assert packed == [PackedRow([0, 2, 5], 29, 64), PackedRow([1, 4, 6], 29, 64), PackedRow([3], 0, 25)]
+    assert plan_micro_batches(packed, 130) == [[packed[2], packed[0]], [packed[1]]]  # padded: rows × longest
+    assert plan_micro_batches(packed, 192) == [[packed[2], packed[0], packed[1]]]
+    # Four rows of one 20-token prompt and 60 tokens each (61 of their own after the 19 shared), at
+    # 0.001 per query-key pair: the second row adds 61 + 0.001 × (141² - 80²) = 74.5 to the first
+    # against 80 + 0.001 × 80² = 86.4 for a row of its own, the third 81.9, the fourth 89.4: it
+    # starts a new packed row. Without the attention term all four share one.
+    long = [[3] * 20 + [10 + k] * 60 for k in range(4)]
+    long_masks = [[0] * 20 + [1] * 60] * 4
+    assert packed_rows([0, 1, 2, 3], long, long_masks, PackCost(1.0, 0.001)) == [
+        PackedRow([0, 1, 2], 19, 202), PackedRow([3], 19, 80)]
+    assert packed_rows([0, 1, 2, 3], long, long_masks, PackCost(1.0, 0.0)) == [PackedRow([0, 1, 2, 3], 19, 263)]
+    assert packed_rows(list(range(7)), sequences, masks, None) == [PackedRow([i], 0, len(s)) for i, s in enumerate(sequences)]
 
 
 def test_lora_trains_adapters_only_and_the_engine_gets_merged_weights(tmp_path, tokenizer):

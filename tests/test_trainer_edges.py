@@ -1,5 +1,5 @@
 """The trainer at its edges: two real gloo ranks whose micro-batches differ, activation checkpointing
-with a shared prompt, rows with nothing to train, dropout, bf16 reference logprobs, LoRA on the
+with packed rows, rows with nothing to train, dropout, bf16 reference logprobs, LoRA on the
 embeddings. Models are tiny random Llamas (a 512-token vocabulary where no tokenizer is involved)."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
-from agentrl.trainer.logprobs import pad_sequences, prefix_sharing, prompt_groups, token_logprobs
+from agentrl.trainer.logprobs import padded_micro_batches, token_logprobs
+from agentrl.trainer.packing import PackedRow, pack_cost
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 
 PROMPT_TOKENS = 20
@@ -103,13 +104,16 @@ def gather(results, processes, timeout_s: float) -> dict:
 
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_with_different_micro_batches_give_the_single_process_step():
-    """Rank 0's only micro-batch has one row, rank 1's two rows of one prompt: both must run the
-    decoder the same way (FSDP2 gathers each layer once per call), so neither shares the prompt.
-    In the second batch both ranks share it, and rows with nothing sampled are left out."""
-    for (sequences, masks, _), shared in ((UNEVEN, [False]), (EVEN, [True])):
-        plans = Ranks(0, 2).micro_batch_plans(list(range(len(sequences))), [len(s) for s in sequences], 4096,
-                                              prompt_groups(sequences, masks))
-        assert prefix_sharing(plans, sequences, masks) == shared
+    """Rank 0's only micro-batch is one plain row, rank 1's two rows of one prompt packed together:
+    each is one decoder call (FSDP2 gathers each layer once per call), so the ranks stay in step.
+    In the second batch both ranks pack two rows, and rows with nothing sampled are left out."""
+    cost = pack_cost(small_llama())
+    sequences, masks, _ = UNEVEN
+    assert Ranks(0, 2).micro_batch_plans([0, 1, 2], sequences, masks, 4096, cost) == [
+        [[PackedRow([0], 0, 32)]], [[PackedRow([1, 2], PROMPT_TOKENS - 1, 19 + 11 + 9)]]]
+    sequences, masks, _ = EVEN
+    assert Ranks(0, 2).micro_batch_plans([0, 1, 2, 3], sequences, masks, 4096, cost) == [
+        [[PackedRow([0, 3], 19, 19 + 13 + 10)]], [[PackedRow([1, 2], 19, 19 + 12 + 11)]]]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -142,23 +146,26 @@ def test_two_gloo_ranks_with_different_micro_batches_give_the_single_process_ste
         assert answers[0][batch]["loss"] + answers[1][batch]["loss"] == pytest.approx(alone[batch]["loss"], abs=1e-6)
 
 
-def test_activation_checkpointing_in_training_runs_a_shared_prompt_in_full():
-    """Checkpointed layers keep no KV cache in train mode, so a batch marked to share its prompt
-    runs every row in full: the same logprobs and gradients as the unshared batch."""
+def test_activation_checkpointing_gives_packed_rows_the_same_logprobs_and_gradients():
+    """Checkpointed layers recompute their forward pass in the backward pass; with a group's rows
+    packed into one row (a 4D mask, no KV cache) that gives bit-equal results."""
     from agentrl.models import enable_activation_checkpointing
 
     sequences, masks, _ = group((5, 11, 8), (1.0, 0.0, -1.0))
-    shared = pad_sequences(sequences, masks, pad_id=2, share_prefix=True)
-    assert shared.shared_prefix == PROMPT_TOKENS - 1
+    plan = [[PackedRow([0, 1, 2], PROMPT_TOKENS - 1, 19 + 6 + 12 + 9)]]
     results = []
-    for batch in (pad_sequences(sequences, masks, pad_id=2), shared):
+    for checkpointed in (False, True):
         model = small_llama().train()
-        enable_activation_checkpointing(model)
+        if checkpointed:
+            enable_activation_checkpointing(model)
+        idx, batch = next(padded_micro_batches(plan, sequences, masks, 2, "cpu"))
+        assert idx == [0, 1, 2] and batch.packed is not None
         logprobs_BT, entropy_BT = token_logprobs(model, batch)
         ((logprobs_BT * batch.mask_BT).sum() + 0.1 * entropy_BT.sum()).backward()
         results.append((logprobs_BT.detach(), {name: p.grad for name, p in model.named_parameters()}))
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(grad, results[1][1][name]) for name, grad in results[0][1].items())
+    assert all(grad.abs().sum() > 0 for grad in results[0][1].values())
 
 
 def test_rows_with_nothing_sampled_leave_the_update_unchanged():

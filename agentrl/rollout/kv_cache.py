@@ -27,10 +27,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from agentrl.errors import ConfigError
+from agentrl.models import plain_attention_layers
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys and values of every layer, each (layers, kv_heads, tokens, head_dim)
 
@@ -50,12 +49,6 @@ class Hit:
     key: int = -1
     length: int = 0
     covers_entry: bool = False  # the entry is a prefix of the request: its successor replaces it
-
-
-def plain_attention_layers(config) -> set[str]:
-    """The names of the cache layer kinds this model builds other than the plain DynamicLayer
-    (sliding windows, linear attention); empty when every layer keeps every key."""
-    return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
 
 
 def kv_layout(config) -> tuple[int, int]:

@@ -93,8 +93,7 @@ class CriticWorker:
     def values(self, sequences: list[list[int]], masks: list[list[int]]) -> list[list[float] | None]:
         """Values of this rank's share of the batch (in eval mode); None for other ranks' rows."""
         out: list[list[float] | None] = [None] * len(sequences)
-        plan = self.ranks.micro_batch_plan(list(range(len(sequences))), [len(s) for s in sequences],
-                                           self.micro_batch_tokens)
+        plan = self.ranks.micro_batch_plan(list(range(len(sequences))), sequences, masks, self.micro_batch_tokens)
         with evaluation(self.model):
             for idx, batch in padded_micro_batches(plan, sequences, masks, self.pad_id, self.device):
                 with self._autocast():
@@ -108,10 +107,9 @@ class CriticWorker:
         """Epochs over mini-batches of the clipped value loss (token mean over each mini-batch, by
         its global token count)."""
         totals = {"value_loss": 0.0, "critic_grad_norm": 0.0}
-        lengths = [len(s) for s in sequences]
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
             total = max(sum(sum(masks[i][1:]) for i in mini), 1)
-            plan = self.ranks.micro_batch_plan(mini, lengths, self.micro_batch_tokens)
+            plan = self.ranks.micro_batch_plan(mini, sequences, masks, self.micro_batch_tokens)
             self.optimizer.zero_grad(set_to_none=True)
             for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device)):
                 if self.ranks.distributed:

@@ -6,9 +6,9 @@ torch.distributed and every helper is the identity. With several, every rank rec
 batch and takes its own share of each mini-batch, balanced by token count; losses are normalised by
 the mini-batch's global token (or sequence) count, so a step gives the same update whatever the
 number of ranks. FSDP2 collectives need every rank to run the same number of forward and backward
-passes: ranks with fewer micro-batches run zero-weight dummy ones (`micro_batch_plans`), and a
-micro-batch that runs a shared prompt prefix separately (two decoder calls, logprobs.py) does so
-on every rank or on none (`logprobs.prefix_sharing`).
+passes: ranks with fewer micro-batches run zero-weight dummy ones (`micro_batch_plans`); a
+micro-batch is one decoder call whatever its layout (packing.py), so ranks whose micro-batches pack
+differently still call every layer the same number of times.
 
 This module does not start processes (trainer/launch.py does) and knows nothing of Ray.
 """
@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from agentrl.trainer.logprobs import pack_micro_batches
+from agentrl.trainer.packing import PackCost, PackedRow, packed_rows, plan_micro_batches
 
 
 @dataclass(frozen=True)
@@ -48,21 +48,19 @@ class Ranks:
             load[lightest] += lengths[i]
         return [sorted(part) for part in parts]
 
-    def micro_batch_plan(self, indices: list[int], lengths: list[int], token_budget: int,
-                         groups: list[tuple[int, int]] | None = None) -> list[list[int]]:
+    def micro_batch_plan(self, indices: list[int], sequences: list[list[int]], masks: list[list[int]],
+                         token_budget: int, cost: PackCost | None = None) -> list[list[PackedRow]]:
         """This rank's micro-batches of `indices` (see micro_batch_plans)."""
-        return self.micro_batch_plans(indices, lengths, token_budget, groups)[self.rank]
+        return self.micro_batch_plans(indices, sequences, masks, token_budget, cost)[self.rank]
 
-    def micro_batch_plans(self, indices: list[int], lengths: list[int], token_budget: int,
-                          groups: list[tuple[int, int]] | None = None) -> list[list[list[int]]]:
-        """Every rank's micro-batches of `indices`, each padded with empty ones (dummies) up to the
-        most any rank has, so that all ranks make the same number of passes. `lengths` and `groups`
-        (rows sharing a prompt, see logprobs.prompt_groups) are indexed like the whole batch."""
-        def pack(part: list[int]) -> list[list[int]]:
-            micro = pack_micro_batches([lengths[i] for i in part], token_budget,
-                                       [groups[i] for i in part] if groups is not None else None)
-            return [[part[j] for j in m] for m in micro]
-        plans = [pack(part) for part in self.shards(indices, lengths)]
+    def micro_batch_plans(self, indices: list[int], sequences: list[list[int]], masks: list[list[int]],
+                          token_budget: int, cost: PackCost | None = None) -> list[list[list[PackedRow]]]:
+        """Every rank's micro-batches of its share of `indices`, packed (packing.py; rows alone when
+        `cost` is None) and each padded with empty ones (dummies) up to the most any rank has, so
+        that all ranks make the same number of passes."""
+        lengths = [len(s) for s in sequences]
+        plans = [plan_micro_batches(packed_rows(part, sequences, masks, cost), token_budget)
+                 for part in self.shards(indices, lengths)]
         most = max(len(plan) for plan in plans)
         return [plan + [[] for _ in range(most - len(plan))] for plan in plans]
 

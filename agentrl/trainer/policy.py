@@ -23,7 +23,8 @@ from agentrl.trainer.checkpoint import load_sharded, save_model, save_sharded
 from agentrl.trainer.distributed import Ranks, buckets, full_tensor, shard_model
 from agentrl.trainer.lora import merged_weights
 from agentrl.trainer.logprobs import (attach_token_logprobs, evaluation, mini_batch_schedule, pad_values,
-                                      padded_micro_batches, prefix_sharing, prompt_groups, token_logprobs)
+                                      padded_micro_batches, token_logprobs)
+from agentrl.trainer.packing import PackCost, pack_cost
 
 
 class WeightSink(Protocol):
@@ -42,6 +43,7 @@ class ReferenceWorker:
                  ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None, offload: bool = False,
                  bf16_autocast: bool = False):
         self.model = model.eval().requires_grad_(False)
+        self.pack_cost = pack_cost(model)  # before sharding: it counts parameters
         if ranks.distributed:
             shard_model(self.model, param_dtype, offload, forward_methods=(attach_token_logprobs(self.model),))
         self.pad_id, self.temperature, self.micro_batch_tokens = pad_id, temperature, micro_batch_tokens
@@ -53,20 +55,20 @@ class ReferenceWorker:
         device = next(self.model.parameters()).device
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
             return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature,
-                                    self.micro_batch_tokens, self.ranks)
+                                    self.micro_batch_tokens, self.ranks, self.pack_cost)
 
 
 def batched_logprobs(model: torch.nn.Module, sequences: list[list[int]], masks: list[list[int]], pad_id: int,
-                     temperature: float, micro_batch_tokens: int, ranks: Ranks = Ranks()) -> list[list[float] | None]:
+                     temperature: float, micro_batch_tokens: int, ranks: Ranks = Ranks(),
+                     cost: PackCost | None = None) -> list[list[float] | None]:
     """Per-sequence token logprobs (0.0 off the mask) of this rank's share, in micro-batches without
-    grad and in eval mode; None for the rows other ranks compute (none with one rank)."""
+    grad and in eval mode, packed by `cost` (packing.py); None for the rows other ranks compute
+    (none with one rank)."""
     device = next(model.parameters()).device
     out: list[list[float] | None] = [None] * len(sequences)
-    plans = ranks.micro_batch_plans(list(range(len(sequences))), [len(s) for s in sequences], micro_batch_tokens,
-                                    prompt_groups(sequences, masks))
-    share = prefix_sharing(plans, sequences, masks)
+    plan = ranks.micro_batch_plan(list(range(len(sequences))), sequences, masks, micro_batch_tokens, cost)
     with torch.no_grad(), evaluation(model):
-        for idx, batch in padded_micro_batches(plans[ranks.rank], sequences, masks, pad_id, device, share):
+        for idx, batch in padded_micro_batches(plan, sequences, masks, pad_id, device):
             logprobs_BT, _ = token_logprobs(model, batch, temperature)
             for row, i in enumerate(idx):
                 out[i] = logprobs_BT[row, : len(sequences[i])].tolist()
@@ -99,6 +101,7 @@ class PolicyWorker:
                  param_dtype: torch.dtype | None = None):
         self.ranks = ranks
         disable_model_dropout(model)
+        self.pack_cost = pack_cost(model)  # before sharding: it counts parameters
         if ranks.distributed:  # before the optimizer, which must hold the shards
             shard_model(model, param_dtype, forward_methods=(attach_token_logprobs(model),))
         self.model = model.train()
@@ -127,7 +130,7 @@ class PolicyWorker:
         """This rank's share of the batch's token logprobs (None for other ranks' rows)."""
         with self._autocast():
             return batched_logprobs(self.model, sequences, masks, self.pad_id, self.temperature,
-                                    self.micro_batch_tokens, self.ranks)
+                                    self.micro_batch_tokens, self.ranks, self.pack_cost)
 
     def update(self, sequences: list[list[int]], masks: list[list[int]], advantages: list[list[float]],
                old_logprobs: list[list[float]] | None = None,
@@ -165,12 +168,10 @@ class PolicyWorker:
         if rollout_logprobs is not None:
             metrics.update(rollout_logprob_diff=0.0, engine_k3_mean=0.0, engine_k3_max=0.0)
         # Rows without a trainable token (a prompt that filled the context) weigh nothing: left out.
-        plans = self.ranks.micro_batch_plans([i for i in mini if any(masks[i][1:])], [len(s) for s in sequences],
-                                             self.micro_batch_tokens, prompt_groups(sequences, masks))
-        plan = plans[self.ranks.rank]
+        plan = self.ranks.micro_batch_plan([i for i in mini if any(masks[i][1:])], sequences, masks,
+                                           self.micro_batch_tokens, self.pack_cost)
         self.optimizer.zero_grad(set_to_none=True)
-        for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device,
-                                                              prefix_sharing(plans, sequences, masks))):
+        for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device)):
             if self.ranks.distributed:  # reduce gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(n == len(plan) - 1)
             width = batch.ids_BT.shape[1]

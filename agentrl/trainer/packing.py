@@ -1,0 +1,167 @@
+"""Packed micro-batches: the rows of a GRPO group run their shared prompt once, in one decoder call.
+
+A group's episodes start with the same prompt, often most of each sequence (the quickstart: ~250 of
+~330 tokens). A packed row lays that prompt out once, followed by each member's own tokens:
+`[prompt | rest_1 | rest_2 | ...]`. A 4D attention mask lets a member's tokens see the prompt and
+their own earlier tokens only, and position ids continue the prompt's for every member, so each
+member's hidden states are those of its full row (only float rounding differs). A micro-batch is
+a few packed rows padded to the longest, run through the decoder in one call: the linear layers
+see all of a micro-batch's tokens at once, with the prompt counted once and little padding, and the
+backward pass sums each member's gradient into the prompt by itself.
+
+Packing costs attention: a packed row of length L has L² query-key pairs where its members alone
+would have Σ len². A member joins a packed row only while that costs less than starting another
+packed row that repeats the prompt (`PackCost`, estimated from the model's size), so long
+completions split a group over several packed rows and short ones share one.
+
+Packing needs attention that honours a custom 4D mask and position ids (transformers' SDPA and
+eager attention) over every key (a sliding-window layer given the full mask would see too much):
+`pack_cost` returns None for any other model, whose rows then run in full, one per padded row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from agentrl.models import plain_attention_layers
+
+MIN_SHARED_PREFIX = 16  # below this, repeating the prompt per row costs less than the mask's bookkeeping
+
+
+@dataclass(frozen=True)
+class PackCost:
+    """A decoder pass's multiply-adds: `token` per token (the linear layers) and `pair` per
+    query-key pair (attention scores and their weighted sum, every layer and head)."""
+
+    token: float
+    pair: float
+
+    def of(self, length: int) -> float:
+        return self.token * length + self.pair * length * length
+
+
+def pack_cost(model: torch.nn.Module) -> PackCost | None:
+    """The model's PackCost, or None when its rows cannot be packed (module docstring). Call it
+    before sharding: it counts parameters."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or plain_attention_layers(config):
+        return None
+    embeddings = model.get_input_embeddings().weight.numel()
+    token = sum(p.numel() for p in model.get_decoder().parameters()) - embeddings
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return PackCost(token=float(token), pair=2.0 * config.num_hidden_layers * heads * head_dim)
+
+
+@dataclass
+class PackedRow:
+    """Rows of the batch laid out as `[shared prefix | rest of each row]`; one row alone is just itself."""
+
+    rows: list[int]
+    shared: int  # leading tokens common to all rows, laid out once
+    length: int = field(default=0)  # shared + Σ (len(row) - shared)
+
+
+def first_trainable(mask: list[int]) -> int:
+    """Position of a row's first trainable token (position 0 never is); len(mask) when none."""
+    return next((t for t, m in enumerate(mask) if m and t > 0), len(mask))
+
+
+def shareable_prefix(sequences: list[list[int]], masks: list[list[int]]) -> int:
+    """Length of the prefix every row has in common and whose hidden states nothing needs: it ends
+    before the last position ahead of each row's first trainable token (that position's hidden
+    state predicts it) and leaves every row at least one token of its own; 0 when not worth it."""
+    if len(sequences) < 2:
+        return 0
+    limit = min(min(len(s) for s in sequences) - 1,
+                min(first_trainable(mask) - 1 for mask in masks))
+    first = sequences[0]
+    shared = 0
+    while shared < limit and all(s[shared] == first[shared] for s in sequences):
+        shared += 1
+    return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+def packed_rows(indices: list[int], sequences: list[list[int]], masks: list[list[int]],
+                cost: PackCost | None) -> list[PackedRow]:
+    """`indices` as packed rows: rows whose tokens before their first trainable one are the same
+    (a GRPO group's prompt) share packed rows, in order, while that is cheaper than a new one;
+    every other row (and every row when `cost` is None) is a packed row of its own."""
+    if cost is None:
+        return [PackedRow([i], 0, len(sequences[i])) for i in indices]
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        by_prompt.setdefault(tuple(sequences[i][:first_trainable(masks[i])]), []).append(i)
+    packed: list[PackedRow] = []
+    for members in by_prompt.values():
+        shared = shareable_prefix([sequences[i] for i in members], [masks[i] for i in members])
+        current: PackedRow | None = None
+        for i in members:
+            rest = len(sequences[i]) - shared
+            if current is not None and (cost.of(current.length + rest) - cost.of(current.length)
+                                        <= cost.of(shared + rest)):
+                current.rows.append(i)
+                current.length += rest
+            else:
+                current = PackedRow([i], shared, shared + rest)
+                packed.append(current)
+    return packed
+
+
+def plan_micro_batches(packed: list[PackedRow], token_budget: int) -> list[list[PackedRow]]:
+    """Packed rows grouped by length so that each micro-batch's padded tokens (rows × longest) fit
+    `token_budget`; a single longer row always runs, alone."""
+    plan: list[list[PackedRow]] = []
+    current: list[PackedRow] = []
+    for row in sorted(packed, key=lambda p: (p.length, p.rows[0])):
+        if current and (len(current) + 1) * row.length > token_budget:
+            plan.append(current)
+            current = []
+        current.append(row)
+    if current:
+        plan.append(current)
+    return plan
+
+
+@dataclass
+class PackedInputs:
+    """A micro-batch's decoder inputs in the packed layout, and where each row's tokens went."""
+
+    ids_GL: torch.Tensor
+    positions_GL: torch.Tensor
+    attention_G1LL: torch.Tensor  # bool: query position may attend to key position
+    where_BT: torch.Tensor  # flat index into G × L of row b's token t (0 past the row's end)
+
+
+def packed_inputs(micro_batch: list[PackedRow], sequences: list[list[int]], pad_id: int,
+                  device: torch.device | str) -> PackedInputs:
+    """The layout of `micro_batch`, whose rows (in order, as `idx` lists them) are the batch rows."""
+    width = max(p.length for p in micro_batch)
+    ids_GL = torch.full((len(micro_batch), width), pad_id, dtype=torch.long)
+    positions_GL = torch.zeros((len(micro_batch), width), dtype=torch.long)
+    segment_GL = torch.full((len(micro_batch), width), -1, dtype=torch.long)  # -1 padding, 0 prefix, k member k
+    rows = [i for p in micro_batch for i in p.rows]
+    where_BT = torch.zeros((len(rows), max(len(sequences[i]) for i in rows)), dtype=torch.long)
+    b = 0
+    for g, packed in enumerate(micro_batch):
+        shared = packed.shared
+        ids_GL[g, :shared] = torch.tensor(sequences[packed.rows[0]][:shared], dtype=torch.long)
+        positions_GL[g, :shared] = torch.arange(shared)
+        segment_GL[g, :shared] = 0
+        start = shared
+        for k, i in enumerate(packed.rows, start=1):
+            rest = len(sequences[i]) - shared
+            ids_GL[g, start:start + rest] = torch.tensor(sequences[i][shared:], dtype=torch.long)
+            positions_GL[g, start:start + rest] = torch.arange(shared, shared + rest)
+            segment_GL[g, start:start + rest] = k
+            where_BT[b, :shared] = torch.arange(shared) + g * width
+            where_BT[b, shared:shared + rest] = torch.arange(start, start + rest) + g * width
+            start += rest
+            b += 1
+    query, key = segment_GL[:, :, None], segment_GL[:, None, :]
+    causal = torch.ones((width, width), dtype=torch.bool).tril()
+    attention = causal & (query >= 0) & ((key == query) | ((key == 0) & (query > 0)))
+    attention |= torch.eye(width, dtype=torch.bool)  # padding sees itself: no softmax over nothing
+    return PackedInputs(ids_GL.to(device), positions_GL.to(device), attention[:, None].to(device), where_BT.to(device))
