@@ -463,6 +463,11 @@ def test_micro_batches_pack_a_prompts_rows_and_split_them_when_attention_would_c
     assert packed_rows([0, 1, 2, 3], long, long_masks, PackCost(1.0, 0.001)) == [
         PackedRow([0, 1, 2], 19, 202), PackedRow([3], 19, 80)]
     assert packed_rows([0, 1, 2, 3], long, long_masks, PackCost(1.0, 0.0)) == [PackedRow([0, 1, 2, 3], 19, 263)]
+    # A packed row stays within a micro-batch's budget (unless one row alone exceeds it).
+    assert packed_rows([0, 1, 2, 3], long, long_masks, PackCost(1.0, 0.0), token_budget=202) == [
+        PackedRow([0, 1, 2], 19, 202), PackedRow([3], 19, 80)]
+    assert packed_rows([0, 1], long, long_masks, PackCost(1.0, 0.0), token_budget=50) == [
+        PackedRow([0], 19, 80), PackedRow([1], 19, 80)]
     assert packed_rows(list(range(7)), sequences, masks, None) == [PackedRow([i], 0, len(s)) for i, s in enumerate(sequences)]
 
 

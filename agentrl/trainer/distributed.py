@@ -59,7 +59,7 @@ class Ranks:
         `cost` is None) and each padded with empty ones (dummies) up to the most any rank has, so
         that all ranks make the same number of passes."""
         lengths = [len(s) for s in sequences]
-        plans = [plan_micro_batches(packed_rows(part, sequences, masks, cost), token_budget)
+        plans = [plan_micro_batches(packed_rows(part, sequences, masks, cost, token_budget), token_budget)
                  for part in self.shards(indices, lengths)]
         most = max(len(plan) for plan in plans)
         return [plan + [[] for _ in range(most - len(plan))] for plan in plans]

@@ -85,10 +85,11 @@ def shareable_prefix(sequences: list[list[int]], masks: list[list[int]]) -> int:
 
 
 def packed_rows(indices: list[int], sequences: list[list[int]], masks: list[list[int]],
-                cost: PackCost | None) -> list[PackedRow]:
+                cost: PackCost | None, token_budget: int | None = None) -> list[PackedRow]:
     """`indices` as packed rows: rows whose tokens before their first trainable one are the same
-    (a GRPO group's prompt) share packed rows, in order, while that is cheaper than a new one;
-    every other row (and every row when `cost` is None) is a packed row of its own."""
+    (a GRPO group's prompt) share packed rows, in order, while that is cheaper than a new one and
+    stays within `token_budget` (a micro-batch's); every other row (and every row when `cost` is
+    None) is a packed row of its own."""
     if cost is None:
         return [PackedRow([i], 0, len(sequences[i])) for i in indices]
     by_prompt: dict[tuple[int, ...], list[int]] = {}
@@ -100,8 +101,8 @@ def packed_rows(indices: list[int], sequences: list[list[int]], masks: list[list
         current: PackedRow | None = None
         for i in members:
             rest = len(sequences[i]) - shared
-            if current is not None and (cost.of(current.length + rest) - cost.of(current.length)
-                                        <= cost.of(shared + rest)):
+            fits = current is not None and (token_budget is None or current.length + rest <= token_budget)
+            if fits and cost.of(current.length + rest) - cost.of(current.length) <= cost.of(shared + rest):
                 current.rows.append(i)
                 current.length += rest
             else:
