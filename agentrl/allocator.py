@@ -9,6 +9,12 @@ faults over three steps). tcmalloc keeps freed memory for the next allocation: t
 1.5x faster, rollout and update alike (jemalloc: 1.2x). PyTorch's CPU tuning guide recommends
 the same, and its own launcher (`torch.backends.xeon.run_cpu`) preloads it the same way.
 
+tcmalloc itself hands free memory back to the kernel bit by bit as more is freed
+(`TCMALLOC_RELEASE_RATE`, default 1), so the phases of a training step still refault each
+other's memory: a GRPO update of bench/vs_trl.py's shape right after a rollout took up to 1.1
+million page faults and 20 s against 10 s with none. agentrl sets the rate to 0 (a user's own
+setting wins): the process keeps its peak heap and reuses it, rollout and update alike.
+
 An allocator is chosen when a process starts (`LD_PRELOAD`), so `use_tcmalloc` executes the
 running command again, once, with tcmalloc preloaded; the agentrl CLI and the benchmarks call it
 first thing. Child processes (Ray workers) inherit it; the Python tool's sandbox does not (it
@@ -55,6 +61,7 @@ def use_tcmalloc() -> str:
     if library is None or not argv:
         return current
     env = dict(os.environ, **{_RELAUNCHED: "1"})
+    env.setdefault("TCMALLOC_RELEASE_RATE", "0")  # keep freed pages (module docstring)
     env["LD_PRELOAD"] = " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
     sys.stdout.flush()
     sys.stderr.flush()

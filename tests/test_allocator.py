@@ -15,13 +15,14 @@ SCRIPT = """
 import os, sys
 print("start", flush=True)
 from agentrl.allocator import use_tcmalloc
-print(use_tcmalloc(), sys.argv[1:], os.environ.get("LD_PRELOAD") or "-", os.environ.get("MARK"))
+print(use_tcmalloc(), sys.argv[1:], os.environ.get("LD_PRELOAD") or "-", os.environ.get("MARK"),
+      os.environ.get("TCMALLOC_RELEASE_RATE", "-"))
 """
 
 
-def run(env: dict[str, str]) -> list[str]:
+def run(env: dict[str, str], base: dict[str, str] | None = None) -> list[str]:
     done = subprocess.run([sys.executable, "-c", SCRIPT, "a b", "--flag=1"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "MARK": "kept", **env})
+                          timeout=60, env={**(os.environ if base is None else base), "MARK": "kept", **env})
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
@@ -30,9 +31,14 @@ def test_a_command_runs_again_on_tcmalloc_with_the_same_arguments_and_environmen
     library = find_tcmalloc()
     if library is None:
         pytest.skip("tcmalloc is not installed (Debian: libtcmalloc-minimal4, `make system-packages`)")
-    lines = run({"LD_PRELOAD": ""})
-    assert lines == ["start", "start", f"tcmalloc ['a b', '--flag=1'] {library} kept"]
+    env = {key: value for key, value in os.environ.items() if key != "TCMALLOC_RELEASE_RATE"}
+    lines = run({"LD_PRELOAD": ""}, env)
+    # tcmalloc keeps freed pages (release rate 0) unless the user set a rate
+    assert lines == ["start", "start", f"tcmalloc ['a b', '--flag=1'] {library} kept 0"]
+    lines = run({"LD_PRELOAD": "", "TCMALLOC_RELEASE_RATE": "2"}, env)
+    assert lines == ["start", "start", f"tcmalloc ['a b', '--flag=1'] {library} kept 2"]
 
 
 def test_the_system_allocator_when_asked_for_it():
-    assert run({"AGENTRL_ALLOCATOR": "system", "LD_PRELOAD": ""}) == ["start", "system ['a b', '--flag=1'] - kept"]
+    env = {key: value for key, value in os.environ.items() if key != "TCMALLOC_RELEASE_RATE"}
+    assert run({"AGENTRL_ALLOCATOR": "system", "LD_PRELOAD": ""}, env) == ["start", "system ['a b', '--flag=1'] - kept -"]

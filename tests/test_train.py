@@ -471,6 +471,26 @@ def test_micro_batches_pack_a_prompts_rows_and_split_them_when_attention_would_c
     assert packed_rows(list(range(7)), sequences, masks, None) == [PackedRow([i], 0, len(s)) for i, s in enumerate(sequences)]
 
 
+def test_pack_cost_counts_the_model_and_refuses_what_a_4d_mask_cannot_describe():
+    """Per token: the decoder's parameters without the embedding (2 layers × 36,992 + the final
+    norm's 64); per query-key pair: 2 × layers × heads × head size. Sliding-window layers (given
+    the full mask they would see too much) and attention functions other than SDPA and eager (the
+    engine's own, here) are not packed."""
+    from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from agentrl.rollout.packed_attention import install
+    from agentrl.trainer.packing import PackCost, pack_cost
+
+    assert pack_cost(make_tiny_llama()) == PackCost(token=2 * 36_992 + 64, pair=2 * 2 * 4 * 16)
+    eager = LlamaForCausalLM._from_config(make_tiny_llama().config, attn_implementation="eager")
+    assert pack_cost(eager) == pack_cost(make_tiny_llama())
+    sliding = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    assert pack_cost(MistralForCausalLM(sliding)) is None
+    engine_model = make_tiny_llama()
+    assert install(engine_model) and pack_cost(engine_model) is None
+
+
 def test_lora_trains_adapters_only_and_the_engine_gets_merged_weights(tmp_path, tokenizer):
     from agentrl.config import LoraSettings
     from agentrl.models import load_model
