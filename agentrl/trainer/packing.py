@@ -1,7 +1,7 @@
 """Packed micro-batches: the rows of a GRPO group run their shared prompt once, in one decoder call.
 
 A group's episodes start with the same prompt, often most of each sequence (the quickstart: ~250 of
-~330 tokens). A packed row lays that prompt out once, followed by each member's own tokens:
+330–440 tokens). A packed row lays that prompt out once, followed by each member's own tokens:
 `[prompt | rest_1 | rest_2 | ...]`. A 4D attention mask lets a member's tokens see the prompt and
 their own earlier tokens only, and position ids continue the prompt's for every member, so each
 member's hidden states are those of its full row (only float rounding differs). A micro-batch is
@@ -12,7 +12,10 @@ backward pass sums each member's gradient into the prompt by itself.
 Packing costs attention: a packed row of length L has L² query-key pairs where its members alone
 would have Σ len². A member joins a packed row only while that costs less than starting another
 packed row that repeats the prompt (`PackCost`, estimated from the model's size), so long
-completions split a group over several packed rows and short ones share one.
+completions split a group over several packed rows and short ones share one. The estimate prices a
+pair like a linear layer's multiply-add; on a CPU the masked attention kernel runs slower than that,
+so where episodes are long beside their prompt (the quickstart's ~1000-token packed rows) packing
+gains little: bench/packed_update.py and the README have the figures.
 
 Packing needs attention that honours a custom 4D mask and position ids (transformers' SDPA and
 eager attention) over every key (a sliding-window layer given the full mask would see too much):
@@ -21,7 +24,7 @@ eager attention) over every key (a sliding-window layer given the full mask woul
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -61,7 +64,7 @@ class PackedRow:
 
     rows: list[int]
     shared: int  # leading tokens common to all rows, laid out once
-    length: int = field(default=0)  # shared + Σ (len(row) - shared)
+    length: int = 0  # shared + Σ (len(row) - shared)
 
 
 def first_trainable(mask: list[int]) -> int:
