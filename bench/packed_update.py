@@ -1,16 +1,18 @@
 """A GRPO update with each group's rows packed (prompt once, one decoder call per micro-batch)
 against every row in full, one padded row each.
 
-agentrl/trainer/packing.py lays out a group's rows as `[prompt | rest_1 | rest_2 | ...]` with a 4D
-attention mask; the reference runs each row in full, padded to the micro-batch's longest, which is
-what the trainer does for models it cannot pack. Both run `PolicyWorker.update` on the same worker
-(SmolLM2-135M-Instruct, AdamW, token-mean PPO loss) and the same batch, taking turns (the machine is
-shared and noisy), and their logprobs on the same weights are compared before any update (they
-differ by float rounding: ~1e-5 in float32, a few hundredths in bf16). The
-default batch has the quickstart's shape: 4 prompts of 250 tokens × 8 completions of 20–120
-tokens (`--groups 8 --group-size 4 --prompt 60 --completion 20 64` is bench/vs_trl.py's).
+agentrl/trainer/packing.py lays out a group's rows as `[prompt | rest_1 | rest_2 | ...]`; on a CPU
+the trainer's attention over it is segmented (segment_attention.py: only the pairs the layout
+allows). Three sides run `PolicyWorker.update` on the same worker (SmolLM2-135M-Instruct, AdamW,
+token-mean PPO loss) and the same batch, taking turns (the machine is shared and noisy): packed
+(segmented attention, for micro-batches of 384 columns and more), packed with the 4D mask over
+whole packed rows and its own cost model, and every row in full, padded to the micro-batch's
+longest (what the trainer does for models it cannot pack). Their logprobs on the same weights are
+compared before any update (they differ by float rounding: ~1e-5 in float32, a few hundredths in
+bf16). The default batch has the quickstart's shape: 4 prompts of 250 tokens × 8 completions of
+80–190 tokens (`--groups 8 --group-size 4 --prompt 60 --completion 20 64` is bench/vs_trl.py's).
 Prints the decoder tokens each side runs (padding included), the median seconds per update and
-their ratio. Run: python bench/packed_update.py
+their ratios. Run: python bench/packed_update.py
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from agentrl.allocator import use_tcmalloc
 from agentrl.hardware import choose_dtype
 from agentrl.models import load_model
+from agentrl.trainer.packing import pack_cost
 from agentrl.trainer.policy import PolicyWorker
 from machine import machine_line  # bench/machine.py, beside this script
 
@@ -55,7 +58,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=250)
-    parser.add_argument("--completion", type=int, nargs=2, default=[20, 120])
+    parser.add_argument("--completion", type=int, nargs=2, default=[80, 190])
     parser.add_argument("--micro-batch-tokens", type=int, default=2048, help="the quickstart's")
     parser.add_argument("--trials", type=int, default=4, help="updates per side, after one warm-up each")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
@@ -66,13 +69,25 @@ def main() -> None:
     sequences, masks, advantages = grpo_batch(args.groups, args.group_size, args.prompt, tuple(args.completion))
     worker = PolicyWorker(load_model("smollm2-135m-instruct", "float32"), 2, lr=1e-6, temperature=1.0,
                           micro_batch_tokens=args.micro_batch_tokens, bf16_autocast=dtype.dtype == "bfloat16")
-    sides = {"packed": worker.pack_cost, "rows in full": None}
+    model = worker.model
+    segmented = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    # name -> (attention, cost): packed with segmented attention (the trainer's CPU default), packed
+    # with the 4D mask over whole rows (its cost model), every row in full
+    sides = {"packed": (segmented, worker.pack_cost), "packed, mask": ("sdpa", pack_cost(model)),
+             "rows in full": ("sdpa", None)}
+
+    def use(side: str) -> None:
+        attention, worker.pack_cost = sides[side]
+        model.set_attn_implementation(attention)
+
     tokens, logprobs = {}, {}
-    for name, cost in sides.items():
-        worker.pack_cost = cost
+    for name in sides:
+        use(name)
         tokens[name] = decoder_tokens(worker, sequences, masks)
         logprobs[name] = worker.logprobs(sequences, masks)
-    gaps = [abs(a - b) for x, y, mask in zip(*logprobs.values(), masks) for a, b, m in zip(x, y, mask) if m]
+    gaps = [abs(a - b) for x, y, mask in zip(logprobs["packed"], logprobs["rows in full"], masks)
+            for a, b, m in zip(x, y, mask) if m]
     trained = sum(sum(m[1:]) for m in masks)
     print(f"{args.groups} prompts of {args.prompt} tokens x {args.group_size} completions of "
           f"{args.completion[0]}-{args.completion[1]} tokens ({trained} trained); micro-batches of "
@@ -80,8 +95,8 @@ def main() -> None:
           f"{statistics.mean(gaps):.1e}, max {max(gaps):.1e} (float rounding: ~1e-5 in float32)")
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for trial in range(args.trials + 1):
-        for name, cost in sides.items():
-            worker.pack_cost = cost
+        for name in sides:
+            use(name)
             started = time.perf_counter()
             worker.update(sequences, masks, advantages)
             if trial:  # the first of each side is a warm-up
@@ -91,8 +106,8 @@ def main() -> None:
         print(f"{name:12} decoder tokens {tokens[name]:6d}, update {median[name]:6.2f} s "
               f"({', '.join(f'{s:.2f}' for s in seconds[name])})")
     print(f"in full / packed: tokens {tokens['rows in full'] / tokens['packed']:.2f}, "
-          f"seconds {median['rows in full'] / median['packed']:.2f}")
-
+          f"seconds {median['rows in full'] / median['packed']:.2f}; packed with the mask / packed: seconds "
+          f"{median['packed, mask'] / median['packed']:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
 from agentrl.trainer.logprobs import padded_micro_batches, token_logprobs
-from agentrl.trainer.packing import PackedRow, pack_cost
+from agentrl.trainer.packing import PackedRow, enable_packing, pack_cost
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 
 PROMPT_TOKENS = 20
@@ -146,20 +146,25 @@ def test_two_gloo_ranks_with_different_micro_batches_give_the_single_process_ste
         assert answers[0][batch]["loss"] + answers[1][batch]["loss"] == pytest.approx(alone[batch]["loss"], abs=1e-6)
 
 
-def test_activation_checkpointing_gives_packed_rows_the_same_logprobs_and_gradients():
+@pytest.mark.parametrize("segmented", [False, True])
+def test_activation_checkpointing_gives_packed_rows_the_same_logprobs_and_gradients(segmented, monkeypatch):
     """Checkpointed layers recompute their forward pass in the backward pass; with a group's rows
-    packed into one row (a 4D mask, no KV cache) that gives bit-equal results."""
+    packed into one row (a 4D mask, or segmented attention whose plan travels with the layer's
+    arguments) that gives bit-equal results."""
     from agentrl.models import enable_activation_checkpointing
+    from agentrl.trainer import packing
 
+    monkeypatch.setattr(packing, "MIN_SEGMENTED_WIDTH", 0)  # these rows are 46 wide
     sequences, masks, _ = group((5, 11, 8), (1.0, 0.0, -1.0))
     plan = [[PackedRow([0, 1, 2], PROMPT_TOKENS - 1, 19 + 6 + 12 + 9)]]
     results = []
     for checkpointed in (False, True):
         model = small_llama().train()
+        assert enable_packing(model).segmented if segmented else pack_cost(model).segmented is False
         if checkpointed:
             enable_activation_checkpointing(model)
         idx, batch = next(padded_micro_batches(plan, sequences, masks, 2, "cpu"))
-        assert idx == [0, 1, 2] and batch.packed is not None
+        assert idx == [0, 1, 2] and batch.packed.segments is not None
         logprobs_BT, entropy_BT = token_logprobs(model, batch)
         ((logprobs_BT * batch.mask_BT).sum() + 0.1 * entropy_BT.sum()).backward()
         results.append((logprobs_BT.detach(), {name: p.grad for name, p in model.named_parameters()}))

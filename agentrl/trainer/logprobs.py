@@ -27,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from agentrl.trainer.packing import PackedInputs, PackedRow, packed_inputs
+from agentrl.trainer.segment_attention import KEYWORD, NAME
 
 
 @dataclass
@@ -169,6 +170,7 @@ def _decoder_hidden(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
     packed = batch.packed
     if packed is None:
         return decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT, use_cache=False).last_hidden_state
+    segmented = {KEYWORD: packed.segments} if packed.segments and decoder.config._attn_implementation == NAME else {}
     hidden_GLH = decoder(input_ids=packed.ids_GL, attention_mask=packed.attention_G1LL,
-                         position_ids=packed.positions_GL, use_cache=False).last_hidden_state
+                         position_ids=packed.positions_GL, use_cache=False, **segmented).last_hidden_state
     return hidden_GLH.flatten(0, 1)[packed.where_BT]

@@ -9,13 +9,15 @@ a few packed rows padded to the longest, run through the decoder in one call: th
 see all of a micro-batch's tokens at once, with the prompt counted once and little padding, and the
 backward pass sums each member's gradient into the prompt by itself.
 
-Packing costs attention: a packed row of length L has L² query-key pairs where its members alone
-would have Σ len². A member joins a packed row only while that costs less than starting another
-packed row that repeats the prompt (`PackCost`, estimated from the model's size), so long
-completions split a group over several packed rows and short ones share one. The estimate prices a
-pair like a linear layer's multiply-add; on a CPU the masked attention kernel runs slower than that,
-so where episodes are long beside their prompt (the quickstart's ~1000-token packed rows) packing
-gains little: bench/packed_update.py and the README have the figures.
+Attention over a packed row is where the layouts differ. On a CPU, a model with SDPA attention
+gets segmented attention (`enable_packing`, segment_attention.py): the prompt, the members over
+the prompt and each member over itself are separate unmasked kernel calls, so a member costs the
+same pairs as in a row of its own and every member of a group joins (within the micro-batch's
+token budget). Elsewhere (eager attention, a GPU) the 4D mask is applied and a packed row of
+length L costs L² query-key pairs where its members alone would have Σ len²; a member then joins
+only while that costs less than starting another packed row that repeats the prompt (`PackCost`,
+estimated from the model's size), so long completions split a group over several packed rows and
+short ones share one. bench/packed_update.py and the README have the figures.
 
 Packing needs attention that honours a custom 4D mask and position ids (transformers' SDPA and
 eager attention) over every key (a sliding-window layer given the full mask would see too much):
@@ -29,33 +31,60 @@ from dataclasses import dataclass
 import torch
 
 from agentrl.models import plain_attention_layers
+from agentrl.trainer import segment_attention
+from agentrl.trainer.segment_attention import SegmentPlan, segment_plan
 
 MIN_SHARED_PREFIX = 16  # below this, repeating the prompt per row costs less than the mask's bookkeeping
+# Narrower packed rows run the 4D mask even where segmented attention is installed: over short
+# rows the masked kernel's one call costs less than three calls over their pieces (bf16 on 2 cores,
+# one layer's forward and backward: 262 columns 39 vs 47 ms; 462 and more 1.1-1.8x in favour of
+# segments).
+MIN_SEGMENTED_WIDTH = 384
 
 
 @dataclass(frozen=True)
 class PackCost:
     """A decoder pass's multiply-adds: `token` per token (the linear layers) and `pair` per
-    query-key pair (attention scores and their weighted sum, every layer and head)."""
+    query-key pair (attention scores and their weighted sum, every layer and head). `segmented`:
+    the model's attention computes only the pairs a packed row allows (segment_attention.py)."""
 
     token: float
     pair: float
+    segmented: bool = False
 
     def of(self, length: int) -> float:
         return self.token * length + self.pair * length * length
+
+    def joins(self, length: int, shared: int, rest: int) -> bool:
+        """Whether a row's `rest` tokens joining a packed row of `length` costs less than a new
+        packed row of the `shared` prefix and `rest`. With segmented attention it always does (the
+        member's pairs are the same either way and the prefix is not run again); with the mask, the
+        pairs between the member and the other members count too."""
+        if shared == 0:
+            return False
+        return self.segmented or self.of(length + rest) - self.of(length) <= self.of(shared + rest)
 
 
 def pack_cost(model: torch.nn.Module) -> PackCost | None:
     """The model's PackCost, or None when its rows cannot be packed (module docstring). Call it
     before sharding: it counts parameters."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or plain_attention_layers(config):
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager", segment_attention.NAME) or plain_attention_layers(config):
         return None
     embeddings = model.get_input_embeddings().weight.numel()
     token = sum(p.numel() for p in model.get_decoder().parameters()) - embeddings
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return PackCost(token=float(token), pair=2.0 * config.num_hidden_layers * heads * head_dim)
+    return PackCost(token=float(token), pair=2.0 * config.num_hidden_layers * heads * head_dim,
+                    segmented=implementation == segment_attention.NAME)
+
+
+def enable_packing(model: torch.nn.Module) -> PackCost | None:
+    """Give a CPU model segmented attention where it can take it, then its PackCost (`pack_cost`)."""
+    if pack_cost(model) is not None:
+        segment_attention.install(model)
+    return pack_cost(model)
 
 
 @dataclass
@@ -105,7 +134,7 @@ def packed_rows(indices: list[int], sequences: list[list[int]], masks: list[list
         for i in members:
             rest = len(sequences[i]) - shared
             fits = current is not None and (token_budget is None or current.length + rest <= token_budget)
-            if fits and cost.of(current.length + rest) - cost.of(current.length) <= cost.of(shared + rest):
+            if fits and cost.joins(current.length, shared, rest):
                 current.rows.append(i)
                 current.length += rest
             else:
@@ -137,6 +166,7 @@ class PackedInputs:
     positions_GL: torch.Tensor
     attention_G1LL: torch.Tensor  # bool: query position may attend to key position
     where_BT: torch.Tensor  # flat index into G × L of row b's token t (0 past the row's end)
+    segments: SegmentPlan | None  # the same layout for segmented attention
 
 
 def packed_inputs(micro_batch: list[PackedRow], sequences: list[list[int]], pad_id: int,
@@ -168,4 +198,18 @@ def packed_inputs(micro_batch: list[PackedRow], sequences: list[list[int]], pad_
     causal = torch.ones((width, width), dtype=torch.bool).tril()
     attention = causal & (query >= 0) & ((key == query) | ((key == 0) & (query > 0)))
     attention |= torch.eye(width, dtype=torch.bool)  # padding sees itself: no softmax over nothing
-    return PackedInputs(ids_GL.to(device), positions_GL.to(device), attention[:, None].to(device), where_BT.to(device))
+    return PackedInputs(ids_GL.to(device), positions_GL.to(device), attention[:, None].to(device), where_BT.to(device),
+                        segment_layout(micro_batch, sequences, width, device))
+
+
+def segment_layout(micro_batch: list[PackedRow], sequences: list[list[int]], width: int,
+                   device: torch.device | str) -> SegmentPlan | None:
+    """The micro-batch's layout for segment_attention: each packed row's prefix (all of a row by
+    itself), then its members' own tokens. None below MIN_SEGMENTED_WIDTH columns (the 4D mask
+    then applies)."""
+    if width < MIN_SEGMENTED_WIDTH:
+        return None
+    prompts = [packed.shared or packed.length for packed in micro_batch]
+    members = [[len(sequences[i]) - packed.shared for i in packed.rows] if packed.shared else []
+               for packed in micro_batch]
+    return segment_plan(prompts, members, width, device)

@@ -24,7 +24,7 @@ from agentrl.trainer.distributed import Ranks, buckets, full_tensor, shard_model
 from agentrl.trainer.lora import merged_weights
 from agentrl.trainer.logprobs import (attach_token_logprobs, evaluation, mini_batch_schedule, pad_values,
                                       padded_micro_batches, token_logprobs)
-from agentrl.trainer.packing import PackCost, pack_cost
+from agentrl.trainer.packing import PackCost, enable_packing
 
 
 class WeightSink(Protocol):
@@ -43,7 +43,7 @@ class ReferenceWorker:
                  ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None, offload: bool = False,
                  bf16_autocast: bool = False):
         self.model = model.eval().requires_grad_(False)
-        self.pack_cost = pack_cost(model)  # before sharding: it counts parameters
+        self.pack_cost = enable_packing(model)  # before sharding: it counts parameters
         if ranks.distributed:
             shard_model(self.model, param_dtype, offload, forward_methods=(attach_token_logprobs(self.model),))
         self.pad_id, self.temperature, self.micro_batch_tokens = pad_id, temperature, micro_batch_tokens
@@ -101,7 +101,7 @@ class PolicyWorker:
                  param_dtype: torch.dtype | None = None):
         self.ranks = ranks
         disable_model_dropout(model)
-        self.pack_cost = pack_cost(model)  # before sharding: it counts parameters
+        self.pack_cost = enable_packing(model)  # before sharding: it counts parameters
         if ranks.distributed:  # before the optimizer, which must hold the shards
             shard_model(model, param_dtype, forward_methods=(attach_token_logprobs(model),))
         self.model = model.train()
