@@ -5,12 +5,13 @@ agentrl/trainer/packing.py lays out a group's rows as `[prompt | rest_1 | rest_2
 the trainer's attention over it is segmented (segment_attention.py: only the pairs the layout
 allows). Three sides run `PolicyWorker.update` on the same worker (SmolLM2-135M-Instruct, AdamW,
 token-mean PPO loss) and the same batch, taking turns (the machine is shared and noisy): packed
-(segmented attention, for micro-batches of 384 columns and more), packed with the 4D mask over
-whole packed rows and its own cost model, and every row in full, padded to the micro-batch's
-longest (what the trainer does for models it cannot pack). Their logprobs on the same weights are
-compared before any update (they differ by float rounding: ~1e-5 in float32, a few hundredths in
-bf16). The default batch has the quickstart's shape: 4 prompts of 250 tokens × 8 completions of
-80–190 tokens (`--groups 8 --group-size 4 --prompt 60 --completion 20 64` is bench/vs_trl.py's).
+(segmented attention, where a micro-batch is wide enough for it to pay), packed with the 4D mask
+over whole packed rows and its own cost model, and every row in full, padded to the micro-batch's
+longest (what the trainer does for models it cannot pack). The packed side's logprobs are
+compared with those in full on the same weights before any update (they differ by float rounding:
+~1e-5 in float32, a few hundredths in bf16). The default batch has the quickstart's shape: 4
+prompts of 250 tokens × 8 completions of 80–190 tokens (`--groups 8 --group-size 4 --prompt 60
+--completion 20 64` is bench/vs_trl.py's).
 Prints the decoder tokens each side runs (padding included), the median seconds per update and
 their ratios. Run: python bench/packed_update.py
 """
@@ -108,6 +109,7 @@ def main() -> None:
     print(f"in full / packed: tokens {tokens['rows in full'] / tokens['packed']:.2f}, "
           f"seconds {median['rows in full'] / median['packed']:.2f}; packed with the mask / packed: seconds "
           f"{median['packed, mask'] / median['packed']:.2f}")
+
 
 if __name__ == "__main__":
     main()

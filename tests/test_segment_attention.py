@@ -16,8 +16,10 @@ from conftest import make_tiny_llama
 
 @pytest.fixture(autouse=True)
 def segments_at_any_width(monkeypatch):
-    """These rows are a few dozen tokens wide; the trainer segments only rows of 384 and more."""
+    """These rows are a few dozen tokens wide; the trainer segments only micro-batches of 384
+    columns and more, where the three calls' pairs are well below the mask's (tested below)."""
     monkeypatch.setattr(packing, "MIN_SEGMENTED_WIDTH", 0)
+    monkeypatch.setattr(packing, "MIN_PAIRS_SAVED", 0)
 
 
 def two_groups_and_a_lone_row():
@@ -55,11 +57,28 @@ def test_the_segment_plan_lays_out_prompts_members_and_padding():
     assert layout.prompt_out.tolist() == [*range(19), *range(46, 59), *range(92, 117)]
     mask = layout.prompt_mask(torch.float32)[:, 0, 0]
     assert [(row == 0).sum().item() for row in mask] == [19, 13, 25] and mask[0, 19] == float("-inf")
-    packing.MIN_SEGMENTED_WIDTH = 47  # narrower micro-batches keep the 4D mask
-    assert next(padded_micro_batches(plan, sequences, masks, 2, "cpu"))[1].packed.segments is None
+    # Pairs: 3 rows × 25 × (25 + 27) for the prompts and the members over them, 5 × 12² for the
+    # members over themselves: 4620, against 3 × 46² = 6348 under the mask.
+    assert layout.pairs() == 3 * 25 * 52 + 5 * 144
     same = segment_plan([5, 5], [[2], [3]], 10, "cpu")
     assert same.prompt_mask(torch.float32) is None  # equal prompts: the members' call needs no mask
     assert segment_plan([5, 7], [[], []], 10, "cpu") is None
+    with pytest.raises(ValueError, match="row 1 .* does not fit 10 columns"):
+        segment_plan([5, 5], [[2], [3, 3]], 10, "cpu")
+
+
+def test_micro_batches_where_segments_do_not_pay_keep_the_mask():
+    sequences, masks, plan = two_groups_and_a_lone_row()
+
+    def segments():
+        return next(padded_micro_batches(plan, sequences, masks, 2, "cpu"))[1].packed.segments
+
+    packing.MIN_SEGMENTED_WIDTH = 47  # narrower than that: one masked call
+    assert segments() is None
+    packing.MIN_SEGMENTED_WIDTH, packing.MIN_PAIRS_SAVED = 0, 1.37  # 4620 × 1.37 = 6329 < 6348
+    assert segments() is not None
+    packing.MIN_PAIRS_SAVED = 1.38  # the lone row widens every row's prompt call: 6376 > 6348
+    assert segments() is None
 
 
 def run(model, batch):
@@ -83,10 +102,33 @@ def test_segmented_packed_rows_give_the_full_rows_logprobs_and_gradients(monkeyp
     assert idx == [0, 1, 2, 3, 4, 5] and batch.packed is not None
     packed = run(model, batch)
     torch.testing.assert_close(packed[0], full[0], atol=1e-5, rtol=0)
-    assert (packed[0] * (1 - batch.mask_BT) == 0).all()
     for name, grad in full[1].items():
         torch.testing.assert_close(packed[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
     assert all(grad.abs().sum() > 0 for grad in packed[1].values())
+
+
+def test_one_token_members_and_lone_rows_shorter_than_a_prompt(monkeypatch):
+    """A member whose own part is one token (the prompt's last), a lone row shorter than the
+    longest prompt beside one longer than every packed row, and equal results in float32."""
+    generator = torch.Generator().manual_seed(5)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, 49000, (n,), generator=generator).tolist()
+
+    a = tokens(30)
+    sequences = [a[:], a + tokens(4), tokens(8), tokens(40)]
+    masks = [[0] * 30, [0] * 30 + [1] * 4, [0, 0] + [1] * 6, [0] * 3 + [1] * 37]
+    plan = [[PackedRow([0, 1], 29, 29 + 1 + 5), PackedRow([2], 0, 8), PackedRow([3], 0, 40)]]
+    full = run(make_tiny_llama(), pad_sequences(sequences, masks, pad_id=2))
+    model = make_tiny_llama()
+    enable_packing(model)
+    monkeypatch.setattr(segment_attention, "sdpa_attention_forward", None)  # a fallback would fail
+    _, batch = next(padded_micro_batches(plan, sequences, masks, 2, "cpu"))
+    assert batch.packed.segments.own_real.sum(1).tolist() == [1, 5]
+    packed = run(model, batch)
+    torch.testing.assert_close(packed[0], full[0], atol=1e-5, rtol=0)
+    for name, grad in full[1].items():
+        torch.testing.assert_close(packed[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_segmented_attention_runs_in_bf16_under_autocast(monkeypatch):
@@ -112,6 +154,15 @@ def test_segmented_attention_runs_in_bf16_under_autocast(monkeypatch):
     assert dtypes == {(torch.bfloat16,) * 3}
     torch.testing.assert_close(rounded, exact, atol=0.05, rtol=0)
     assert not torch.equal(rounded, exact)
+    # The backward in bf16 points where float32's does: cosine of the flattened gradients.
+    gradients = []
+    for autocast in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logprobs_BT, _ = token_logprobs(model, batch)
+        (logprobs_BT * batch.mask_BT).sum().backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.nn.functional.cosine_similarity(*gradients, dim=0) > 0.99
 
 
 def test_segmented_packing_joins_every_member_that_fits():
@@ -131,12 +182,15 @@ def test_segmented_packing_joins_every_member_that_fits():
         PackedRow([0], 0, 30), PackedRow([1], 0, 30)]
 
 
-@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
-def test_enable_packing_installs_segments_only_on_sdpa_models_on_cpu(implementation):
+@pytest.mark.parametrize("implementation, device", [("eager", "cpu"), ("sdpa", "cpu"), ("sdpa", "meta")])
+def test_enable_packing_installs_segments_only_on_sdpa_models_on_cpu(implementation, device):
+    """A model on another device (`meta` stands in for a GPU here) keeps SDPA and the mask."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM._from_config(make_tiny_llama().config, attn_implementation=implementation)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(make_tiny_llama().config, attn_implementation=implementation)
     cost = enable_packing(model)
-    assert cost.segmented == (implementation == "sdpa")
-    assert model.config._attn_implementation == (segment_attention.NAME if implementation == "sdpa" else "eager")
+    installed = (implementation, device) == ("sdpa", "cpu")
+    assert cost.segmented == installed
+    assert model.config._attn_implementation == (segment_attention.NAME if installed else implementation)
     assert enable_packing(model) == cost  # a second call changes nothing

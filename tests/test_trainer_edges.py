@@ -152,9 +152,11 @@ def test_activation_checkpointing_gives_packed_rows_the_same_logprobs_and_gradie
     packed into one row (a 4D mask, or segmented attention whose plan travels with the layer's
     arguments) that gives bit-equal results."""
     from agentrl.models import enable_activation_checkpointing
-    from agentrl.trainer import packing
+    from agentrl.trainer import packing, segment_attention
 
     monkeypatch.setattr(packing, "MIN_SEGMENTED_WIDTH", 0)  # these rows are 46 wide
+    if segmented:  # a fallback to SDPA with the mask would make this test about the mask
+        monkeypatch.setattr(segment_attention, "sdpa_attention_forward", None)
     sequences, masks, _ = group((5, 11, 8), (1.0, 0.0, -1.0))
     plan = [[PackedRow([0, 1, 2], PROMPT_TOKENS - 1, 19 + 6 + 12 + 9)]]
     results = []

@@ -11,9 +11,9 @@ backward pass sums each member's gradient into the prompt by itself.
 
 Attention over a packed row is where the layouts differ. On a CPU, a model with SDPA attention
 gets segmented attention (`enable_packing`, segment_attention.py): the prompt, the members over
-the prompt and each member over itself are separate unmasked kernel calls, so a member costs the
-same pairs as in a row of its own and every member of a group joins (within the micro-batch's
-token budget). Elsewhere (eager attention, a GPU) the 4D mask is applied and a packed row of
+the prompt and each member over itself are separate kernel calls, so a member costs the same pairs
+as in a row of its own and every member of a group joins (within the micro-batch's token budget);
+micro-batches where that does not pay (narrow ones, see `segment_layout`) keep the mask. Elsewhere (eager attention, a GPU) the 4D mask is applied and a packed row of
 length L costs L² query-key pairs where its members alone would have Σ len²; a member then joins
 only while that costs less than starting another packed row that repeats the prompt (`PackCost`,
 estimated from the model's size), so long completions split a group over several packed rows and
@@ -40,6 +40,7 @@ MIN_SHARED_PREFIX = 16  # below this, repeating the prompt per row costs less th
 # one layer's forward and backward: 262 columns 39 vs 47 ms; 462 and more 1.1-1.8x in favour of
 # segments).
 MIN_SEGMENTED_WIDTH = 384
+MIN_PAIRS_SAVED = 1.5  # measured from 462 columns up: 1.95-4.9x fewer pairs ran 1.14-1.84x faster
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,12 @@ class PackCost:
         return self.token * length + self.pair * length * length
 
     def joins(self, length: int, shared: int, rest: int) -> bool:
-        """Whether a row's `rest` tokens joining a packed row of `length` costs less than a new
-        packed row of the `shared` prefix and `rest`. With segmented attention it always does (the
-        member's pairs are the same either way and the prefix is not run again); with the mask, the
-        pairs between the member and the other members count too."""
+        """Whether a row's `rest` tokens should join a packed row of `length` rather than start a
+        new packed row of the `shared` prefix and `rest`. With segmented attention they always do
+        (the member's pairs are the same either way and the prefix is not run again; micro-batches
+        too narrow to segment keep the mask, over rows short enough that its extra pairs cost
+        little); with the mask, while the pairs between the member and the other members cost less
+        than running the prefix again."""
         if shared == 0:
             return False
         return self.segmented or self.of(length + rest) - self.of(length) <= self.of(shared + rest)
@@ -205,11 +208,15 @@ def packed_inputs(micro_batch: list[PackedRow], sequences: list[list[int]], pad_
 def segment_layout(micro_batch: list[PackedRow], sequences: list[list[int]], width: int,
                    device: torch.device | str) -> SegmentPlan | None:
     """The micro-batch's layout for segment_attention: each packed row's prefix (all of a row by
-    itself), then its members' own tokens. None below MIN_SEGMENTED_WIDTH columns (the 4D mask
-    then applies)."""
+    itself), then its members' own tokens. None (the 4D mask applies) below MIN_SEGMENTED_WIDTH
+    columns, or when the three calls would not compute MIN_PAIRS_SAVED times fewer pairs than the
+    mask (a long row by itself beside packed rows widens everyone's prompt call)."""
     if width < MIN_SEGMENTED_WIDTH:
         return None
     prompts = [packed.shared or packed.length for packed in micro_batch]
     members = [[len(sequences[i]) - packed.shared for i in packed.rows] if packed.shared else []
                for packed in micro_batch]
-    return segment_plan(prompts, members, width, device)
+    plan = segment_plan(prompts, members, width, device)
+    if plan is None or plan.pairs() * MIN_PAIRS_SAVED > len(micro_batch) * width * width:
+        return None
+    return plan

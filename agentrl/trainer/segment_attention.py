@@ -3,22 +3,23 @@
 A packed row (packing.py) is `[prompt | own_1 | own_2 | ...]`: the prompt attends causally to
 itself, and member k's own tokens attend to the prompt and causally to their own earlier tokens.
 SDPA with the 4D mask computes all L² pairs of the row and then masks most of them; here a
-micro-batch's attention is three calls to the CPU flash-attention kernel, each batched over its
-packed rows:
+micro-batch's attention is three calls to the CPU flash-attention kernel:
 
-- the prompts: causal over the prompt columns (a shorter prompt's extra columns are its members'
-  tokens, computed and dropped: a causal prefix does not see what follows it);
+- the packed rows' prompts, causal over the longest prompt's columns (a shorter prompt's extra
+  columns are its members' tokens, computed and dropped: a causal prefix does not see what follows
+  it);
 - every member token over its row's prompt keys, a row's members as one block of queries (masked
   only past a row's own prompt, when the rows' prompts differ in length);
-- each member's tokens over its own keys, members padded at the end, causal.
+- each member's tokens over its own keys, causal, the members batched and padded at the end.
 
 The last two halves of a member's attention are merged with their log-sum-exps (the softmax over
 the union of the two key sets). A quickstart packed row (250 prompt tokens, 8 members of 80–190)
 has ~1.8M pairs under the mask and ~0.6M here, padding included. The backward pass calls the
 kernel's backward on each part with the merged output and log-sum-exp, which is that part's exact
 share of the gradient (the identity ring attention uses). Over short rows the one masked call is
-cheaper than three over pieces, so packing.py segments only micro-batches of MIN_SEGMENTED_WIDTH
-columns and more.
+cheaper than three over pieces, and a row without members (its whole length a "prompt") next to
+packed rows widens the prompt call for all of them; packing.py segments a micro-batch only when it
+is wide enough and the three calls' pairs are well below the mask's (`SegmentPlan.pairs`).
 
 Written against aten's CPU flash-attention ops because SDPA does not return the log-sum-exp the
 merge needs. On other devices, for micro-batches without a plan, and with attention dropout, this
@@ -29,7 +30,7 @@ checkpointing recomputes a layer with the same plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -58,24 +59,33 @@ class SegmentPlan:
     own_index: torch.Tensor  # (M, E) each member's own tokens, padded at the end with its last one
     own_real: torch.Tensor  # (M, E) bool
     member_out: torch.Tensor  # (N,) every member token's flat position, rows and members in order
-    _masks: dict = field(default_factory=dict)
+    # (G, 1, 1, prompt) bool, True past a row's own prompt; None when every prompt is `prompt` long.
+    # Bool, not the additive float mask: FSDP's mixed precision casts the float tensors it finds in
+    # a layer's inputs.
+    beyond_prompt: torch.Tensor | None
 
     def prompt_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Additive (G, 1, 1, prompt) mask hiding columns past each row's own prompt; None when
-        every prompt is `prompt` long."""
-        if bool((self.prompt_lengths == self.prompt).all()):
+        """The additive mask for the members' call over the prompt keys."""
+        if self.beyond_prompt is None:
             return None
-        if dtype not in self._masks:
-            beyond = torch.arange(self.prompt, device=self.prompt_lengths.device) >= self.prompt_lengths[:, None]
-            mask = torch.zeros(beyond.shape, dtype=dtype, device=beyond.device).masked_fill(beyond, float("-inf"))
-            self._masks[dtype] = mask[:, None, None, :]
-        return self._masks[dtype]
+        return torch.zeros(self.beyond_prompt.shape, dtype=dtype,
+                           device=self.beyond_prompt.device).masked_fill(self.beyond_prompt, float("-inf"))
+
+    def pairs(self) -> int:
+        """Query-key pairs the three calls compute, padding included."""
+        rows, queries = self.member_index.shape
+        members, longest = self.own_index.shape
+        return rows * self.prompt * (self.prompt + queries) + members * longest * longest
 
 
 def segment_plan(prompts: list[int], members: list[list[int]], width: int,
                  device: torch.device | str) -> SegmentPlan | None:
     """The plan for rows of `width` columns: row g's prompt is `prompts[g]` tokens long and is
     followed by members of `members[g]` own tokens each. None when no row has members."""
+    for g, lengths in enumerate(members):
+        if prompts[g] < 1 or min(lengths, default=1) < 1 or prompts[g] + sum(lengths) > width:
+            raise ValueError(f"segment_plan: row {g} (prompt {prompts[g]}, members {lengths}) does not fit "
+                             f"{width} columns with a prompt and members of at least one token")
     own = []
     for g, lengths in enumerate(members):
         start = g * width + prompts[g]
@@ -94,11 +104,14 @@ def segment_plan(prompts: list[int], members: list[list[int]], width: int,
 
     member_index, member_real = padded(rows, rows_longest, [g * width for g in range(len(rows))])
     own_index, own_real = padded(own, longest, [member[-1] for member in own])
+    lengths = torch.tensor(prompts, device=device)
+    beyond = torch.arange(prompt, device=device) >= lengths[:, None]
     return SegmentPlan(
-        prompt, torch.tensor(prompts, device=device),
+        prompt, lengths,
         torch.tensor([g * prompt + t for g, n in enumerate(prompts) for t in range(n)], device=device),
         torch.tensor([g * width + t for g, n in enumerate(prompts) for t in range(n)], device=device),
-        member_index, member_real, own_index, own_real, torch.tensor([t for m in own for t in m], device=device))
+        member_index, member_real, own_index, own_real, torch.tensor([t for m in own for t in m], device=device),
+        beyond[:, None, None, :] if bool(beyond.any()) else None)
 
 
 def _gather(x_flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -142,8 +155,9 @@ class _Segmented(torch.autograd.Function):
         o_b, lse_b = _flash(*own, 0.0, True, scale=scale)  # each member over its own tokens
         (o_am, lse_am), (o_bm, lse_bm) = _real(o_a, lse_a, plan.member_real), _real(o_b, lse_b, plan.own_real)
         lse_m = torch.logaddexp(lse_am, lse_bm)
-        o_m = (o_am.float() * (lse_am - lse_m).exp()[..., None]
-               + o_bm.float() * (lse_bm - lse_m).exp()[..., None]).to(q.dtype)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        o_m = (o_am.to(wide) * (lse_am - lse_m).exp()[..., None]
+               + o_bm.to(wide) * (lse_bm - lse_m).exp()[..., None]).to(q.dtype)
         out = q.new_zeros((rows * width, heads, dim))
         out[plan.prompt_out] = o_p.transpose(1, 2).reshape(rows * p, heads, dim)[plan.prompt_flat]
         out[plan.member_out] = o_m
@@ -203,7 +217,9 @@ AttentionMaskInterface.register(NAME, sdpa_mask)
 def install(model: torch.nn.Module) -> bool:
     """Switch a CPU model that uses SDPA attention to `agentrl_segments` (SDPA itself in every pass
     without a plan); False, and nothing changed, for any other model."""
-    if model.config._attn_implementation != "sdpa" or next(model.parameters()).device.type != "cpu":
-        return model.config._attn_implementation == NAME
+    config = model.config
+    if (config._attn_implementation != "sdpa" or next(model.parameters()).device.type != "cpu"
+            or getattr(config, "attn_logit_softcapping", None)):  # the kernel has no soft-capping
+        return config._attn_implementation == NAME
     model.set_attn_implementation(NAME)
     return True
