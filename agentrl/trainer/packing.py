@@ -13,11 +13,12 @@ Attention over a packed row is where the layouts differ. On a CPU, a model with 
 gets segmented attention (`enable_packing`, segment_attention.py): the prompt, the members over
 the prompt and each member over itself are separate kernel calls, so a member costs the same pairs
 as in a row of its own and every member of a group joins (within the micro-batch's token budget);
-micro-batches where that does not pay (narrow ones, see `segment_layout`) keep the mask. Elsewhere (eager attention, a GPU) the 4D mask is applied and a packed row of
-length L costs L² query-key pairs where its members alone would have Σ len²; a member then joins
-only while that costs less than starting another packed row that repeats the prompt (`PackCost`,
-estimated from the model's size), so long completions split a group over several packed rows and
-short ones share one. bench/packed_update.py and the README have the figures.
+micro-batches where that does not pay (narrow ones, see `segment_layout`) keep the mask.
+Elsewhere (eager attention, a GPU) the 4D mask is applied and a packed row of length L costs L²
+query-key pairs where its members alone would have Σ len²; a member then joins only while that
+costs less than starting another packed row that repeats the prompt (`PackCost`, estimated from
+the model's size), so long completions split a group over several packed rows and short ones
+share one. bench/packed_update.py and the README have the figures.
 
 Packing needs attention that honours a custom 4D mask and position ids (transformers' SDPA and
 eager attention) over every key (a sliding-window layer given the full mask would see too much):
