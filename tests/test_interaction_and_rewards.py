@@ -78,6 +78,10 @@ def test_parse_number(text, value):
     ("#### 4", "Answer: 3-4", None, 0.0),  # a range is no answer
     ("#### 4", "5-1=4", 4.0, 1.0),
     ("#### 19", "COVID-19", 19.0, 1.0),  # after a letter the hyphen is no minus
+    ("#### 1000000", "It is 1e6", 1e6, 1.0),  # the exponent belongs to the number: not 6
+    ("#### 0.0025", "2.5E-3 of it", 0.0025, 1.0),
+    ("#### 6", "1e6", 1e6, 0.0),
+    ("#### 3", "It takes 3 eggs, 3e", 3.0, 1.0),  # an 'e' without digits is a letter
 ])
 def test_gsm8k_reward_reads_numbers_not_ranges_dates_or_lists(answer, reply, parsed, reward):
     assert parse_number(reply) == parsed

@@ -44,9 +44,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp_path: Path, *options: str, env_token: str | None = TOKEN) -> tuple[subprocess.Popen, str]:
+def start_server(tmp_path: Path, *options: str, env_token: str | None = TOKEN,
+                 tools_yaml: str = TOOLS_YAML) -> tuple[subprocess.Popen, str]:
     tools = tmp_path / "served.yaml"
-    tools.write_text(TOOLS_YAML)
+    tools.write_text(tools_yaml)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     env.pop("AGENTRL_TOOL_TOKEN", None)
@@ -217,6 +218,47 @@ def test_limits_on_instances_concurrency_and_call_time(tmp_path):
         assert client.get("/stats").json()["expired_instances"] == 2
         assert client.post("/instances", json={"tool": "nap"}).status_code == 200
     finally:
+        stop(proc)
+
+
+def test_a_create_the_client_gave_up_on_is_released_once_it_exists(tmp_path):
+    proc, url = start_server(tmp_path, tools_yaml="tools:\n  - class: tests.served_tools:SlowStart\n")
+    source = RemoteTools(url, token=TOKEN, timeout_s=0.5)
+    (slow,) = source.tools()
+    client = api(url)
+
+    def settled(creates: int) -> dict:
+        """/stats once the server has finished `creates` creates."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = client.get("/stats").json()
+            if stats["tools"].get("slow_start", {}).get("create", {}).get("calls", 0) == creates:
+                return stats
+            time.sleep(0.1)
+        raise AssertionError(f"the server did not finish {creates} creates: {stats}")
+
+    try:
+        with pytest.raises(RemoteToolError, match=r"^POST /instances: no answer \(ReadTimeout\)$"):
+            asyncio.run(slow.create("e1/slow_start", seconds=1.5))  # the client stops waiting after 0.5 s
+        stats = settled(1)
+        assert stats["live_instances"] == 0 and stats["tools"]["slow_start"]["release"]["calls"] == 1
+        with pytest.raises(TimeoutError):  # cancelled by the caller (ToolEnv's timeout) instead
+            asyncio.run(asyncio.wait_for(slow.create("e2/slow_start", seconds=1.0), 0.2))
+        stats = settled(2)
+        assert stats["live_instances"] == 0 and stats["tools"]["slow_start"]["release"]["calls"] == 2
+        assert asyncio.run(slow.create("e3/slow_start")) == "e3/slow_start"  # in time: it stays
+        assert settled(3)["live_instances"] == 1
+        asyncio.run(slow.release("e3/slow_start"))
+        assert client.get("/stats").json()["live_instances"] == 0
+        # Named by the client: sent again, a create answers as before and runs the tool once.
+        first, again = (client.post("/instances", json={"tool": "slow_start", "instance_id": "episode-0001"}).json()
+                        for _ in range(2))
+        assert first == again == {"instance_id": "episode-0001", "error": None} and settled(4)["live_instances"] == 1
+        bad = client.post("/instances", json={"tool": "slow_start", "instance_id": "a/b"})
+        assert bad.status_code == 422 and bad.json()["detail"].startswith("invalid request: body.instance_id:")
+        assert client.delete("/instances/episode-0001").json() == {"error": None}
+    finally:
+        source.close()
         stop(proc)
 
 

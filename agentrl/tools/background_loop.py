@@ -37,6 +37,13 @@ class BackgroundLoop:
         """Await `coro` on the background loop from any other loop."""
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Start `coro` on the background loop and wait for nothing (a no-op once closed)."""
+        if self._closed:
+            coro.close()
+            return
+        asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run `coro` on the background loop from plain synchronous code (construction, tests)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)

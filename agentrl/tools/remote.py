@@ -11,7 +11,9 @@ Calls go through httpx with a timeout per request and retries with exponential b
 connection failures and 5xx answers (the server answers a failing tool with 200 and an error, so a
 5xx means the server itself, or a proxy before it, failed). A read timeout is not retried, since
 the tool may have run. A 4xx, a tool error, or retries running out raise RemoteToolError, which
-ToolEnv turns into an error message for the model.
+ToolEnv turns into an error message for the model. The client names each instance it creates, so
+a create is retried like any repeatable call, and one that got no answer or was cancelled (ToolEnv's
+timeout) is released anyway: the server may have made it after all.
 
 The httpx connection pool lives on a BackgroundLoop (see there why: every rollout step runs under a
 new `asyncio.run`), opened when the file loads and closed by `close()` or at exit.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from typing import Any
 
 import httpx
@@ -36,7 +39,12 @@ NOT_RUN_STATUS = (503,)
 
 
 class RemoteToolError(RuntimeError):
-    """A remote call that failed: the server refused it, the tool failed, or the server is gone."""
+    """A remote call that failed: the server refused it, the tool failed, or the server is gone.
+    `refused`: the server answered that it did nothing (a 4xx)."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 class RemoteTools:
@@ -91,9 +99,21 @@ class RemoteTools:
                 problem = f"HTTP {response.status_code}: {_detail(response)}"
                 continue
             if response.status_code >= 400:
-                raise RemoteToolError(f"HTTP {response.status_code}: {_detail(response)}")
+                raise RemoteToolError(f"HTTP {response.status_code}: {_detail(response)}",
+                                      refused=response.status_code < 500)
             return response.json()
         raise RemoteToolError(f"{self.url}{path}: {problem} (after {self.retries + 1} attempts)")
+
+    def release_later(self, path: str) -> None:
+        """Send `DELETE path` without waiting for it (an instance whose create failed on the way);
+        whatever the answer, the server's instance expiry is the fallback."""
+        async def release() -> None:
+            try:
+                await self._request("DELETE", path)
+            except Exception:  # unknown there (it never arrived), or the connection is gone
+                pass
+
+        self._loop.submit(release())
 
     def close(self) -> None:
         self._loop.close()
@@ -108,7 +128,14 @@ class RemoteTool:
         self._remote_ids: dict[str, str] = {}
 
     async def create(self, instance_id: str, **kwargs: Any) -> str:
-        reply = await self.source.request("POST", "/instances", {"tool": self.name, "kwargs": kwargs})
+        remote = uuid.uuid4().hex
+        try:
+            reply = await self.source.request("POST", "/instances", {"tool": self.name, "kwargs": kwargs,
+                                                                     "instance_id": remote})
+        except BaseException as e:  # no answer, or cancelled: it may exist on the server all the same
+            if not (isinstance(e, RemoteToolError) and e.refused):
+                self.source.release_later(f"/instances/{remote}")
+            raise
         _raise_for(reply)
         self._remote_ids[instance_id] = reply["instance_id"]
         return instance_id

@@ -8,10 +8,12 @@ per-tool call counts, errors and latencies at `/stats`. A tool that raises or ti
 200 with `error` set, so a 5xx always means the server itself failed; a bad request answers 4xx with
 a one-line JSON `detail`.
 
-API (JSON): `GET /tools` → `{"tools": [schema, ...]}`; `POST /instances {"tool", "kwargs"}` →
-`{"instance_id", "error"}`; `POST /instances/{id}/execute {"arguments"}` → `{"text", "reward",
-"metrics", "error"}`; `POST /instances/{id}/reward` → `{"reward", "error"}`; `DELETE
-/instances/{id}` → `{"error"}`; `GET /stats`; `GET /health`.
+API (JSON): `GET /tools` → `{"tools": [schema, ...]}`; `POST /instances {"tool", "kwargs",
+"instance_id"}` → `{"instance_id", "error"}`; `POST /instances/{id}/execute {"arguments"}` →
+`{"text", "reward", "metrics", "error"}`; `POST /instances/{id}/reward` → `{"reward", "error"}`;
+`DELETE /instances/{id}` → `{"error"}`; `GET /stats`; `GET /health`. A client names the instances
+it creates (or the server does), so a create is safe to send again and one the client gave up
+waiting for can still be released (as soon as it exists).
 
 Not a sandbox: tools run in this process with its rights (the `python` tool brings its own).
 """
@@ -31,7 +33,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.tools.base import Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 
@@ -50,6 +52,7 @@ class CreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tool: str
     kwargs: dict[str, Any] = {}
+    instance_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{8,64}$")
 
 
 class ExecuteRequest(BaseModel):
@@ -82,6 +85,7 @@ class ToolHost:
         self.tools = {tool_name(t): t for t in tools}
         self.settings = settings
         self.instances: dict[str, Live] = {}
+        self.creating: dict[str, bool] = {}  # instances whose create is running: whether a release came meanwhile
         self.gate = asyncio.Semaphore(settings.max_concurrency)
         self.stats: dict[str, dict[str, OpStats]] = defaultdict(lambda: defaultdict(OpStats))
         self.expired = 0
@@ -102,6 +106,26 @@ class ToolHost:
         stats.calls, stats.errors = stats.calls + 1, stats.errors + (error is not None)
         stats.total_s, stats.max_s = stats.total_s + elapsed, max(stats.max_s, elapsed)
         return value, error
+
+    async def create(self, tool: str, kwargs: dict[str, Any], instance_id: str) -> tuple[str, str | None]:
+        """Create `instance_id` of `tool` once: (id, None), or (id, error) when the tool failed or a
+        release came while it ran (then it is released at once). A live id of the same tool: a resend."""
+        live = self.instances.get(instance_id)
+        if live is not None and live.tool == tool:
+            return instance_id, None
+        if live is not None or instance_id in self.creating:
+            raise HTTPException(409, f"instance '{instance_id}' exists or is being created")
+        self.creating[instance_id] = False
+        try:
+            _, error = await self.call(tool, "create", lambda: self.tools[tool].create(instance_id, **kwargs))
+        finally:
+            released = self.creating.pop(instance_id)
+        if error is None and released:
+            await self.call(tool, "release", lambda: self.tools[tool].release(instance_id))
+            error = "released while it was being created"
+        elif error is None:
+            self.instances[instance_id] = Live(tool)
+        return instance_id, error
 
     def instance(self, instance_id: str) -> Live:
         live = self.instances.get(instance_id)
@@ -212,10 +236,7 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
             await host.expire()
         if len(host.instances) >= host.settings.max_instances:
             raise HTTPException(429, f"{host.settings.max_instances} instances are live; release some first")
-        instance_id = uuid.uuid4().hex
-        _, error = await host.call(body.tool, "create", lambda: host.tools[body.tool].create(instance_id, **body.kwargs))
-        if error is None:
-            host.instances[instance_id] = Live(body.tool)
+        instance_id, error = await host.create(body.tool, body.kwargs, body.instance_id or uuid.uuid4().hex)
         return {"instance_id": instance_id if error is None else None, "error": error}
 
     @app.post("/instances/{instance_id}/execute", dependencies=[auth])
@@ -245,6 +266,9 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
 
     @app.delete("/instances/{instance_id}", dependencies=[auth])
     async def release(instance_id: str) -> dict[str, Any]:
+        if instance_id in host.creating:  # its create releases it once the tool has made it
+            host.creating[instance_id] = True
+            return {"error": None}
         name = host.instance(instance_id).tool
         host.instances.pop(instance_id, None)
         _, error = await host.call(name, "release", lambda: host.tools[name].release(instance_id))
