@@ -7,6 +7,7 @@ engine's memory and that resume gives the same greedy output.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import contextmanager
 from importlib.util import find_spec
 
@@ -77,6 +78,27 @@ def test_engine_decodes_in_the_kv_region_releases_both_and_resumes_in_order(tiny
     engine.resume_memory(("kv_cache", "weights"))  # any order asked: weights come back first
     assert saver.calls == [("pause", "kv_cache"), ("pause", "weights"), ("resume", "weights"),
                            ("resume", "kv_cache"), ("resume", "weights"), ("resume", "kv_cache")]
+
+
+def test_release_holds_the_decode_lock_and_released_memory_is_never_used(tiny_model):
+    saver = RecordingSaver()
+    engine = HFEngine(tiny_model, pad_token_id=2, memory_saver=saver)
+    held: list[bool] = []
+    saver.pause = saver.resume = lambda tag: held.append(engine._lock.locked())  # a decode could not run meanwhile
+    engine.release_memory()
+    with pytest.raises(RuntimeError, match=r"^HFEngine.generate: the engine's weights and kv_cache memory is "
+                                           r"released; call resume_memory first$"):
+        asyncio.run(engine.generate(PROMPT, greedy(3)))  # through the decode thread: the request fails, no crash
+    with pytest.raises(RuntimeError, match=r"^HFEngine.update_weights: the engine's weights memory is released"):
+        engine.update_weights([], version=1)
+    engine.resume_memory(("weights",))
+    engine.update_weights([], version=1)  # a sync needs the weights only
+    assert engine.score(PROMPT, 1)
+    with pytest.raises(RuntimeError, match=r"^HFEngine.generate: the engine's kv_cache memory is released"):
+        engine.generate_batch([PROMPT], [greedy(3)])
+    engine.resume_memory(("kv_cache",))
+    assert len(engine.generate_batch([PROMPT], [greedy(3)])[0].token_ids) == 3
+    assert held == [True] * 4
 
 
 def test_build_engine_moves_the_weights_to_the_device_inside_the_weights_region(tiny_model_dir, monkeypatch):

@@ -60,7 +60,8 @@ class HFEngine:
         self.mixed_passes = install(model)  # rows join running ones in one packed pass (SDPA models)
         self._pending = PendingRequests()  # the event loop adds requests, the decode thread takes them
         self._server: asyncio.Future | None = None
-        self._lock = threading.Lock()  # decoding and weight updates never overlap
+        self._lock = threading.Lock()  # decoding, weight updates and memory release never overlap
+        self._released: set[str] = set()  # memory tags paused by release_memory and not resumed yet
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
         if not token_ids:
@@ -141,6 +142,7 @@ class HFEngine:
     def _decode(self, rows: list[Row], done: Callable[[Row], None],
                 admit: Callable[[int], list[Row]] | None = None) -> None:
         """Decode `rows`, and those `admit` hands over while they run, until every one stopped."""
+        self._check_resident("generate", TAGS)
         batch = RunningBatch(self.model.config, self.pad_token_id, self.device, next(self.model.parameters()).dtype,
                              max_rows=max(self.max_batch_size, len(rows)))
         incoming = rows
@@ -226,6 +228,7 @@ class HFEngine:
         if not 1 <= start < len(token_ids):
             raise ValueError(f"score: start must be in [1, {len(token_ids)}), got {start}")
         with self._lock:
+            self._check_resident("score", ("weights",))
             ids_1T = torch.tensor([token_ids], device=self.device)
             logits_TV = self.model(input_ids=ids_1T).logits[0, start - 1:-1].float()
         if temperature > 0:
@@ -238,6 +241,7 @@ class HFEngine:
         """Copy tensors into the model in place (names as in `state_dict()`). `flush_cache` drops the
         prefix cache, whose keys and values the old weights computed; without it they are reused."""
         with self._lock:
+            self._check_resident("update_weights", ("weights",))
             if flush_cache:
                 self.prefix_cache.clear()
                 self.stats["kv_cache_bytes"] = 0
@@ -252,12 +256,24 @@ class HFEngine:
             self.weight_version = version
 
     def release_memory(self) -> None:
+        """Hand back the KV cache's and the weights' memory (on CUDA with torch-memory-saver), under
+        the lock: a decode still running finishes first, and none starts until `resume_memory`."""
         with self._lock:  # the prefix cache's tensors live in the released region: drop them first
             self.prefix_cache.clear()
             self.stats["kv_cache_bytes"] = 0
-        for tag in reversed(TAGS):
-            self.memory_saver.pause(tag)
+            for tag in reversed(TAGS):
+                self.memory_saver.pause(tag)
+                self._released.add(tag)
 
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
-        for tag in TAGS if tags is None else [t for t in TAGS if t in tags]:
-            self.memory_saver.resume(tag)
+        with self._lock:
+            for tag in TAGS if tags is None else [t for t in TAGS if t in tags]:
+                self.memory_saver.resume(tag)
+                self._released.discard(tag)
+
+    def _check_resident(self, what: str, tags: tuple[str, ...]) -> None:
+        """A RuntimeError instead of reading memory release_memory handed back (a crash on CUDA)."""
+        missing = [tag for tag in tags if tag in self._released]
+        if missing:
+            raise RuntimeError(f"HFEngine.{what}: the engine's {' and '.join(missing)} memory is released; "
+                               f"call resume_memory first")
