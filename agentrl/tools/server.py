@@ -108,10 +108,10 @@ class ToolHost:
         return value, error
 
     async def create(self, tool: str, kwargs: dict[str, Any], instance_id: str) -> tuple[str, str | None]:
-        """Create `instance_id` of `tool` once: (id, None), or (id, error) when the tool failed or a
-        release came while it ran (then it is released at once). A live id of the same tool: a resend."""
+        """Make `instance_id` once: (id, None), or (id, error) if the tool failed or a release came meanwhile."""
         live = self.instances.get(instance_id)
-        if live is not None and live.tool == tool:
+        if live is not None and live.tool == tool:  # sent again: the first create made it
+            live.last_used = time.monotonic()
             return instance_id, None
         if live is not None or instance_id in self.creating:
             raise HTTPException(409, f"instance '{instance_id}' exists or is being created")
