@@ -82,6 +82,8 @@ def test_parse_number(text, value):
     ("#### 0.0025", "2.5E-3 of it", 0.0025, 1.0),
     ("#### 6", "1e6", 1e6, 0.0),
     ("#### 3", "It takes 3 eggs, 3e", 3.0, 1.0),  # an 'e' without digits is a letter
+    ("#### 4", "Between 1e3-1e4", None, 0.0),  # a range of exponents is still a range
+    ("#### 5", "5 or 1e400", 5.0, 1.0),  # a number that overflows is no answer
 ])
 def test_gsm8k_reward_reads_numbers_not_ranges_dates_or_lists(answer, reply, parsed, reward):
     assert parse_number(reply) == parsed

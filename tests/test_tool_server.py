@@ -221,44 +221,93 @@ def test_limits_on_instances_concurrency_and_call_time(tmp_path):
         stop(proc)
 
 
+SLOW_TOOLS = "tools:\n  - class: tests.served_tools:SlowStart\n  - class: tests.served_tools:nap\n"
+
+
+def settled(client: httpx.Client, creates: int, releases: int) -> dict:
+    """/stats once the server has finished `creates` creates and `releases` releases of slow_start."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = client.get("/stats").json()
+        ops = stats["tools"].get("slow_start", {})
+        if (ops.get("create", {}).get("calls", 0), ops.get("release", {}).get("calls", 0)) == (creates, releases):
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"the server did not finish {creates} creates and {releases} releases: {stats}")
+
+
 def test_a_create_the_client_gave_up_on_is_released_once_it_exists(tmp_path):
-    proc, url = start_server(tmp_path, tools_yaml="tools:\n  - class: tests.served_tools:SlowStart\n")
-    source = RemoteTools(url, token=TOKEN, timeout_s=0.5)
+    proc, url = start_server(tmp_path, tools_yaml=SLOW_TOOLS)
+    source = RemoteTools(url, token=TOKEN, timeout_s=0.5, tools=["slow_start"])
     (slow,) = source.tools()
     client = api(url)
-
-    def settled(creates: int) -> dict:
-        """/stats once the server has finished `creates` creates."""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            stats = client.get("/stats").json()
-            if stats["tools"].get("slow_start", {}).get("create", {}).get("calls", 0) == creates:
-                return stats
-            time.sleep(0.1)
-        raise AssertionError(f"the server did not finish {creates} creates: {stats}")
-
     try:
         with pytest.raises(RemoteToolError, match=r"^POST /instances: no answer \(ReadTimeout\)$"):
             asyncio.run(slow.create("e1/slow_start", seconds=1.5))  # the client stops waiting after 0.5 s
-        stats = settled(1)
-        assert stats["live_instances"] == 0 and stats["tools"]["slow_start"]["release"]["calls"] == 1
+        assert settled(client, 1, 1)["live_instances"] == 0
         with pytest.raises(TimeoutError):  # cancelled by the caller (ToolEnv's timeout) instead
             asyncio.run(asyncio.wait_for(slow.create("e2/slow_start", seconds=1.0), 0.2))
-        stats = settled(2)
-        assert stats["live_instances"] == 0 and stats["tools"]["slow_start"]["release"]["calls"] == 2
+        assert settled(client, 2, 2)["live_instances"] == 0
         assert asyncio.run(slow.create("e3/slow_start")) == "e3/slow_start"  # in time: it stays
-        assert settled(3)["live_instances"] == 1
+        assert settled(client, 3, 2)["live_instances"] == 1
         asyncio.run(slow.release("e3/slow_start"))
-        assert client.get("/stats").json()["live_instances"] == 0
-        # Named by the client: sent again, a create answers as before and runs the tool once.
-        first, again = (client.post("/instances", json={"tool": "slow_start", "instance_id": "episode-0001"}).json()
-                        for _ in range(2))
-        assert first == again == {"instance_id": "episode-0001", "error": None} and settled(4)["live_instances"] == 1
-        bad = client.post("/instances", json={"tool": "slow_start", "instance_id": "a/b"})
-        assert bad.status_code == 422 and bad.json()["detail"].startswith("invalid request: body.instance_id:")
-        assert client.delete("/instances/episode-0001").json() == {"error": None}
+        # A release that comes while the create runs: the create's answer says so.
+        replies: list[dict] = []
+        body = {"tool": "slow_start", "kwargs": {"seconds": 1.0}, "instance_id": "episode-0002"}
+        creating = threading.Thread(target=lambda: replies.append(client.post("/instances", json=body).json()))
+        creating.start()
+        time.sleep(0.3)
+        assert api(url).delete("/instances/episode-0002").json() == {"error": None}
+        creating.join()
+        assert replies == [{"instance_id": None, "error": "released while it was being created"}]
+        assert settled(client, 4, 4)["live_instances"] == 0
     finally:
         source.close()
+        stop(proc)
+
+
+def test_named_creates_run_once_and_creates_in_flight_count_against_the_cap(tmp_path):
+    proc, url = start_server(tmp_path, "--max-instances", "2", tools_yaml=SLOW_TOOLS)
+    client = api(url)
+
+    def create(instance_id: str, tool: str = "slow_start", seconds: float = 0.0) -> httpx.Response:
+        return api(url).post("/instances", json={"tool": tool, "kwargs": {"seconds": seconds} if seconds else {},
+                                                 "instance_id": instance_id})
+
+    try:
+        first, again = create("episode-0001"), create("episode-0001")  # sent again: answered as before
+        assert first.json() == again.json() == {"instance_id": "episode-0001", "error": None}
+        assert settled(client, 1, 0)["live_instances"] == 1
+        taken = create("episode-0001", tool="nap")
+        assert (taken.status_code, taken.json()) == (
+            409, {"detail": "instance 'episode-0001' exists or is being created"})
+        bad = create("a/b")
+        assert bad.status_code == 422 and bad.json()["detail"].startswith("invalid request: body.instance_id:")
+        assert client.delete("/instances/episode-0001").json() == {"error": None}
+        # Two slots, three creates of 1 s at once: the third is refused although none has finished yet.
+        statuses: dict[int, int] = {}
+
+        def create_slowly(i: int) -> None:
+            statuses[i] = create(f"episode-100{i}", seconds=1.0).status_code
+
+        threads = [threading.Thread(target=create_slowly, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.1)
+        assert create("episode-1000").status_code == 409  # still being created
+        for thread in threads:
+            thread.join()
+        assert statuses == {0: 200, 1: 200, 2: 429} and settled(client, 3, 1)["live_instances"] == 2
+        # A refused create (429 on the first attempt) made nothing: the client sends no release.
+        source = RemoteTools(url, token=TOKEN, tools=["slow_start"])
+        (slow,) = source.tools()
+        before = client.get("/stats").json()["responses"].get("404", 0)
+        with pytest.raises(RemoteToolError, match=r"^HTTP 429: 2 instances are live; release some first$"):
+            asyncio.run(slow.create("e1/slow_start"))
+        time.sleep(0.5)  # time for the DELETE it would have sent in the background (answered 404)
+        source.close()
+        assert client.get("/stats").json()["responses"].get("404", 0) == before
+    finally:
         stop(proc)
 
 
@@ -334,6 +383,47 @@ def test_a_tool_call_is_not_sent_again_after_a_5xx_it_may_have_run_behind():
         with pytest.raises(RemoteToolError, match=r"^HTTP 502: bad gateway$"):
             asyncio.run(echo.execute("e/echo", {}))
         assert ProxyErrorHandler.executes == 1
+    finally:
+        source.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class GatewayThenConflictHandler(FlakyHandler):
+    """A stand-in for a proxy that answers 502 to a create it passed on, so that the client's retry
+    finds the instance being created (409); a test cannot make `agentrl tools serve` do that on
+    purpose. Records the creates' ids and the releases; everything else is real HTTP on loopback."""
+
+    created: list[str] = []
+    deleted: list[str] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        GatewayThenConflictHandler.created.append(body["instance_id"])
+        if len(self.created) == 1:
+            self.reply(502, {"detail": "bad gateway"})
+        else:
+            self.reply(409, {"detail": f"instance '{body['instance_id']}' exists or is being created"})
+
+    def do_DELETE(self) -> None:
+        GatewayThenConflictHandler.deleted.append(self.path)
+        self.reply(200, {"error": None})
+
+
+def test_a_create_refused_after_an_attempt_that_may_have_landed_is_released():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), GatewayThenConflictHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", retries=2, backoff_s=0.01)
+    (echo,) = source.tools()
+    try:
+        with pytest.raises(RemoteToolError, match=r"^HTTP 409: instance '[0-9a-f]{32}' exists or is being created$"):
+            asyncio.run(echo.create("e/echo"))
+        created = GatewayThenConflictHandler.created
+        assert len(created) == 2 and created[0] == created[1]  # the retry names the same instance
+        deadline = time.monotonic() + 5
+        while not GatewayThenConflictHandler.deleted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert GatewayThenConflictHandler.deleted == [f"/instances/{created[0]}"]
     finally:
         source.close()
         httpd.shutdown()

@@ -39,10 +39,13 @@ class BackgroundLoop:
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Start `coro` on the background loop and wait for nothing (a no-op once closed)."""
-        if self._closed:
-            coro.close()
-            return
-        asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            if not self._closed:
+                asyncio.run_coroutine_threadsafe(coro, self.loop)
+                return
+        except RuntimeError:  # closed meanwhile
+            pass
+        coro.close()
 
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run `coro` on the background loop from plain synchronous code (construction, tests)."""

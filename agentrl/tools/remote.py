@@ -40,7 +40,7 @@ NOT_RUN_STATUS = (503,)
 
 class RemoteToolError(RuntimeError):
     """A remote call that failed: the server refused it, the tool failed, or the server is gone.
-    `refused`: the server answered that it did nothing (a 4xx)."""
+    `refused`: the server answered that it did nothing (a 4xx), and no earlier attempt got there."""
 
     def __init__(self, message: str, refused: bool = False):
         super().__init__(message)
@@ -83,24 +83,25 @@ class RemoteTools:
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                        repeatable: bool = True) -> dict[str, Any]:
-        problem = ""
+        problem, reached = "", False  # reached: an earlier attempt may have got to the server
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 response = await self._client.request(method, path, json=body)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
-                # Refused, or a pooled connection the server had dropped: no tool saw the request.
-                problem = f"{type(e).__name__}: {e}"
+                # Refused, or a pooled connection the server had dropped: retried. The dropped one may
+                # still have delivered the request, so a refusal after it does not prove nothing ran.
+                problem, reached = f"{type(e).__name__}: {e}", reached or isinstance(e, httpx.RemoteProtocolError)
                 continue
             except httpx.TimeoutException as e:
                 raise RemoteToolError(f"{method} {path}: no answer ({type(e).__name__})") from None
             if response.status_code in (RETRY_STATUS if repeatable else NOT_RUN_STATUS):
-                problem = f"HTTP {response.status_code}: {_detail(response)}"
+                problem, reached = f"HTTP {response.status_code}: {_detail(response)}", True
                 continue
             if response.status_code >= 400:
                 raise RemoteToolError(f"HTTP {response.status_code}: {_detail(response)}",
-                                      refused=response.status_code < 500)
+                                      refused=response.status_code < 500 and not reached)
             return response.json()
         raise RemoteToolError(f"{self.url}{path}: {problem} (after {self.retries + 1} attempts)")
 

@@ -11,9 +11,8 @@ a one-line JSON `detail`.
 API (JSON): `GET /tools` → `{"tools": [schema, ...]}`; `POST /instances {"tool", "kwargs",
 "instance_id"}` → `{"instance_id", "error"}`; `POST /instances/{id}/execute {"arguments"}` →
 `{"text", "reward", "metrics", "error"}`; `POST /instances/{id}/reward` → `{"reward", "error"}`;
-`DELETE /instances/{id}` → `{"error"}`; `GET /stats`; `GET /health`. A client names the instances
-it creates (or the server does), so a create is safe to send again and one the client gave up
-waiting for can still be released (as soon as it exists).
+`DELETE /instances/{id}` → `{"error"}`; `GET /stats`; `GET /health`. Clients name their instances
+(or the server does): a create is safe to resend, and one given up on is still released.
 
 Not a sandbox: tools run in this process with its rights (the `python` tool brings its own).
 """
@@ -108,7 +107,8 @@ class ToolHost:
         return value, error
 
     async def create(self, tool: str, kwargs: dict[str, Any], instance_id: str) -> tuple[str, str | None]:
-        """Make `instance_id` once: (id, None), or (id, error) if the tool failed or a release came meanwhile."""
+        """Make `instance_id` once: (id, None), or (id, error) if the tool failed or a release came
+        meanwhile. Creates in flight count against the cap and hold their id from the first wait on."""
         live = self.instances.get(instance_id)
         if live is not None and live.tool == tool:  # sent again: the first create made it
             live.last_used = time.monotonic()
@@ -117,6 +117,10 @@ class ToolHost:
             raise HTTPException(409, f"instance '{instance_id}' exists or is being created")
         self.creating[instance_id] = False
         try:
+            if len(self.instances) + len(self.creating) > self.settings.max_instances:
+                await self.expire()
+            if len(self.instances) + len(self.creating) > self.settings.max_instances:
+                raise HTTPException(429, f"{self.settings.max_instances} instances are live; release some first")
             _, error = await self.call(tool, "create", lambda: self.tools[tool].create(instance_id, **kwargs))
         finally:
             released = self.creating.pop(instance_id)
@@ -232,10 +236,6 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
     async def create(body: CreateRequest) -> dict[str, Any]:
         if body.tool not in host.tools:
             raise HTTPException(404, f"unknown tool '{body.tool}'; available: {', '.join(sorted(host.tools))}")
-        if len(host.instances) >= host.settings.max_instances:
-            await host.expire()
-        if len(host.instances) >= host.settings.max_instances:
-            raise HTTPException(429, f"{host.settings.max_instances} instances are live; release some first")
         instance_id, error = await host.create(body.tool, body.kwargs, body.instance_id or uuid.uuid4().hex)
         return {"instance_id": instance_id if error is None else None, "error": error}
 

@@ -7,19 +7,21 @@ sentence the model can react to, `reward` reports whether the episode ever got i
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 from agentrl.tools.base import ToolResult
 
-# A run of digits with the punctuation that can join them: one chunk, so "10-12" or "3,4,5" is never
-# read as "-12" or "345". A minus counts as a sign only where it cannot be a hyphen or a subtraction
-# (not after a letter, digit, dot or comma); U+2212 is the typographic minus. An exponent right
-# after the digits belongs to the number ('1e6' is a million, not 6).
+# A run of digits with the punctuation that can join them, exponents included: one chunk, so
+# "10-12", "3,4,5" or "1e3-1e4" is never read as "-12", "345" or "-1e4". A minus counts as a sign
+# only where it cannot be a hyphen or a subtraction (not after a letter, digit, dot or comma);
+# U+2212 is the typographic minus.
 _CANDIDATE_RE = re.compile(r"(?:(?<![\w.,])(?P<sign>[-\u2212]))?(?<![\d.,])"
-                           r"(?P<body>\.?\d(?:[\d.,\-\u2212]*\d)?)(?P<exponent>[eE][-+\u2212]?\d+)?")
-# What a chunk must be to count: thousands separators only in groups of three, one decimal point.
-_WELL_FORMED_RE = re.compile(r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+")
+                           r"(?P<body>\.?\d(?:(?:[\d.,\-\u2212]|[eE][-+\u2212]?)*\d)?)")
+# What a chunk must be to count: thousands separators only in groups of three, one decimal point,
+# at most one exponent ('1e6' is a million, not 6).
+_WELL_FORMED_RE = re.compile(r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+\u2212]?\d+)?")
 
 
 def parse_number(text: str | float | int | None) -> float | None:
@@ -28,19 +30,18 @@ def parse_number(text: str | float | int | None) -> float | None:
     Tolerated: '$', thousands separators ('1,234,567'), a leading-dot decimal ('.5'), a sign at the
     start of a word ('-3', '$-7', '−3'), trailing punctuation ('18.', '18,'), an exponent ('1e6',
     '2.5E-3'). Digits joined by hyphens, ill-grouped commas or several dots are not a number: a
-    range ('3-4', '10-12'), a date ('2023-10-05'), a subtraction ('5-1'), a list ('3,4,5') or a
-    version ('1.2.3') is skipped, so the number before it counts ('Answer: 12 (ages 10-12)' is 12;
+    range ('3-4', '10-12', '1e3-1e4'), a date ('2023-10-05'), a subtraction ('5-1'), a list
+    ('3,4,5') or a version ('1.2.3') is skipped, so the number before it counts ('Answer: 12 (ages 10-12)' is 12;
     'Answer: 3-4' has none).
     """
     if text is None:
         return None
     if isinstance(text, (int, float)):
         return float(text)
-    numbers = [(m["sign"] or "") + m["body"] + (m["exponent"] or "")
+    numbers = [float(((m["sign"] or "") + m["body"]).replace(",", "").replace("\u2212", "-"))
                for m in _CANDIDATE_RE.finditer(str(text).replace("$", "")) if _WELL_FORMED_RE.fullmatch(m["body"])]
-    if not numbers:
-        return None
-    return float(numbers[-1].replace(",", "").replace("\u2212", "-"))
+    numbers = [n for n in numbers if math.isfinite(n)]  # '1e400' overflows: not an answer
+    return numbers[-1] if numbers else None
 
 
 def ground_truth_number(answer: str) -> float | None:
