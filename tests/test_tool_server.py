@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -373,20 +374,26 @@ class ProxyErrorHandler(FlakyHandler):
             self.reply(200, {"instance_id": "abc", "error": None})
 
 
-def test_a_tool_call_is_not_sent_again_after_a_5xx_it_may_have_run_behind():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ProxyErrorHandler)
+@contextmanager
+def stand_in(handler: type[BaseHTTPRequestHandler]) -> Iterator[RemoteTool]:
+    """The one tool of a stand-in server on loopback, through RemoteTools (2 retries, 10 ms backoff)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", retries=2, backoff_s=0.01)
-    (echo,) = source.tools()
     try:
-        asyncio.run(echo.create("e/echo"))
-        with pytest.raises(RemoteToolError, match=r"^HTTP 502: bad gateway$"):
-            asyncio.run(echo.execute("e/echo", {}))
-        assert ProxyErrorHandler.executes == 1
+        yield source.tools()[0]
     finally:
         source.close()
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_tool_call_is_not_sent_again_after_a_5xx_it_may_have_run_behind():
+    with stand_in(ProxyErrorHandler) as echo:
+        asyncio.run(echo.create("e/echo"))
+        with pytest.raises(RemoteToolError, match=r"^HTTP 502: bad gateway$"):
+            asyncio.run(echo.execute("e/echo", {}))
+        assert ProxyErrorHandler.executes == 1
 
 
 class GatewayThenConflictHandler(FlakyHandler):
@@ -411,11 +418,7 @@ class GatewayThenConflictHandler(FlakyHandler):
 
 
 def test_a_create_refused_after_an_attempt_that_may_have_landed_is_released():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), GatewayThenConflictHandler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", retries=2, backoff_s=0.01)
-    (echo,) = source.tools()
-    try:
+    with stand_in(GatewayThenConflictHandler) as echo:
         with pytest.raises(RemoteToolError, match=r"^HTTP 409: instance '[0-9a-f]{32}' exists or is being created$"):
             asyncio.run(echo.create("e/echo"))
         created = GatewayThenConflictHandler.created
@@ -424,10 +427,6 @@ def test_a_create_refused_after_an_attempt_that_may_have_landed_is_released():
         while not GatewayThenConflictHandler.deleted and time.monotonic() < deadline:
             time.sleep(0.05)
         assert GatewayThenConflictHandler.deleted == [f"/instances/{created[0]}"]
-    finally:
-        source.close()
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def test_serve_refuses_to_start_without_a_token(tmp_path):
