@@ -40,7 +40,7 @@ from agentrl.hardware import choose_dtype
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import collect, summarize
 from agentrl.rollout.chat import ChatRenderer
-from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_ids
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.tools.base import FunctionTool
 from agentrl.tools.builtin.calculator import calculator, evaluate, format_number
@@ -171,7 +171,9 @@ def main() -> None:
     torch.manual_seed(0)
     dtype = choose_dtype(args.dtype, "cpu")
     model, tokenizer = warmed_up_model(args.cache, args.warmup_steps, dtype.dtype)
-    engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=64)
+    # The message ends let the engine share the prompts' first message, as the CLI's engine does.
+    engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=64,
+                      message_end_ids=stop_token_ids(tokenizer))
     engine.mixed_passes = engine.mixed_passes and not args.separate_joins
     # First-call costs stay out of the timings. Every timed run goes through `generate`, so the same
     # decode thread serves all three: on a loaded 2-core machine torch ran 2.4x slower in the main

@@ -17,15 +17,15 @@ from agentrl.data import arithmetic_tasks
 from agentrl.env.interaction import Turn
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.collect import collect
-from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_ids
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.errors import ConfigError
 from agentrl.models import plain_attention_layers
-from agentrl.rollout.kv_cache import PrefixKVCache
+from agentrl.rollout.kv_cache import MIN_SHARED_TOKENS, PrefixKVCache, split_point
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from agentrl.trainer.sft import conversation_sample, sft_train
-from agentrl.types import SamplingParams
+from agentrl.types import Completion, SamplingParams
 from tests.conftest import make_tiny_llama
 
 QUESTIONS = ["What is 12 * 34?", "A farmer has 3 rows of 17 trees. How many trees?", "Add 5 and 9.",
@@ -104,6 +104,53 @@ def test_a_shared_prompt_is_computed_once_and_the_same_whether_requests_come_tog
     for completion in batch:  # decoded three rows at a time: only the batch shape changes the rounding
         assert completion.token_ids == alone.token_ids
         torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+
+
+def test_prompts_opening_with_the_same_message_compute_it_once_and_the_same(tiny_model, tokenizer):
+    """Different tasks share their first message (system prompt and tool schemas): the engine
+    computes it in a pass of its own, keeps it, and a later prompt starting with it computes only
+    the rest, getting bit for bit what computing the message itself gives."""
+    renderer = ChatRenderer(tokenizer, [calculator])
+    system = {"role": "system", "content": "Solve the problem. Use the calculator tool for arithmetic."}
+    prompts = [renderer.prompt_ids([system, {"role": "user", "content": q}]) for q in QUESTIONS]
+    ends = stop_token_ids(tokenizer)
+    split = prompts[0].index(tokenizer.eos_token_id) + 1  # just after the system message's <|im_end|>
+    assert split >= MIN_SHARED_TOKENS and all(p[:split] == prompts[0][:split] for p in prompts)
+    assert prompts[0][split:] != prompts[1][split:]
+
+    def alone(prompt: list[int]) -> Completion:
+        return HFEngine(tiny_model, pad_token_id=2, message_end_ids=ends).generate_batch([prompt], [greedy(8)])[0]
+
+    shared = HFEngine(tiny_model, pad_token_id=2, message_end_ids=ends)
+    first = shared.generate_batch([prompts[0]], [greedy(8)])[0]
+    assert shared.stats["prefill_tokens"] == len(prompts[0])  # the message, the rest, then the last token
+    for prompt in prompts[1:]:
+        before = dict(shared.stats)
+        got = shared.generate_batch([prompt], [greedy(8)])[0]
+        assert shared.stats["cached_tokens"] - before["cached_tokens"] == split
+        assert shared.stats["prefill_tokens"] - before["prefill_tokens"] == len(prompt) - split
+        want = alone(prompt)
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs  # bit for bit
+    assert sum(entry.shared for entry in shared.prefix_cache._entries.values()) == 1
+    # Without message ends nothing is shared across tasks; the split changes no token either.
+    unsplit = HFEngine(tiny_model, pad_token_id=2)
+    assert unsplit.generate_batch([prompts[0]], [greedy(8)])[0].token_ids == first.token_ids
+    before = dict(unsplit.stats)
+    unsplit.generate_batch([prompts[1]], [greedy(8)])
+    assert unsplit.stats["cached_tokens"] == before["cached_tokens"]
+
+
+def test_a_prompt_splits_after_its_first_long_message_only():
+    end = frozenset({2})
+    assert split_point([9] * 63 + [2, 4, 4], end) == 64
+    assert split_point([9] * 62 + [2, 4, 2, 4], end) == 0  # a first message shorter than MIN_SHARED_TOKENS
+    assert split_point([9] * 63 + [2], end) == 0  # nothing follows it
+    assert split_point([9] * 80, end) == 0 and split_point([9] * 63 + [2, 4], frozenset()) == 0
+    cache = PrefixKVCache(budget_bytes=10**6)
+    kv = (torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))
+    cache.store([5, 6, 7, 8], kv, shared=True)
+    assert cache.reusable([5, 6, 7, 8, 9]).entry is None  # a first message is reused by the split only
+    assert cache.shared_prefix([5, 6, 7, 8]) is not None and cache.shared_prefix([5, 6, 7]) is None
 
 
 class GoOn:

@@ -14,7 +14,8 @@ without keeping every step's full vocabulary logits (`output_logits` would hold 
 vocab floats). transformers' own continuous batching (paged attention) was measured slower than
 padded decoding on CPU (FACTS.md), so the running batch stays padded. Between calls the engine keeps
 each request's keys and values in a prefix cache (kv_cache.py), so an episode's next turn prefills
-only its new tokens; a weight update with `flush_cache` drops that cache. Models with
+only its new tokens, and prompts that open with the same message (`message_end_ids` says where a
+chat message ends) compute it once; a weight update with `flush_cache` drops that cache. Models with
 sliding-window or linear-attention layers are refused at construction: neither the running batch's
 slots nor the prefix cache represent keys a layer drops.
 """
@@ -44,7 +45,7 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch_size: int = 32,
                  batch_wait_s: float = 0.002, seed: int = 0, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                 memory_saver: MemorySaver | None = None):
+                 memory_saver: MemorySaver | None = None, message_end_ids: Iterable[int] = ()):
         self.model = model.eval()  # on CUDA, moved there inside memory_saver.region("weights")
         self.memory_saver = memory_saver or MemorySaver()
         self.device = next(model.parameters()).device
@@ -57,6 +58,7 @@ class HFEngine:
                       "joined_requests": 0, "kv_cache_bytes": 0, "kv_cache_evictions": 0}
         check_cache_layout(model)  # the running batch and the prefix cache hold plain per-layer keys and values
         self.prefix_cache = PrefixKVCache(kv_cache_bytes)  # 0 bytes turns prefix reuse off
+        self.message_end_ids = frozenset(message_end_ids)  # a prompt's first message is shared (kv_cache.py)
         self.mixed_passes = install(model)  # rows join running ones in one packed pass (SDPA models)
         self._pending = PendingRequests()  # the event loop adds requests, the decode thread takes them
         self._server: asyncio.Future | None = None
@@ -163,7 +165,7 @@ class HFEngine:
 
     def _prefill(self, batch: RunningBatch, rows: list[Row]) -> None:
         """New rows' uncached tokens in one forward pass, their first token sampled, then they join."""
-        computed = plan_reuse(self.prefix_cache, self.model, rows)
+        computed = plan_reuse(self.prefix_cache, self.model, rows, self.message_end_ids)
         out = self.model(**batch.join_inputs(rows), logits_to_keep=1)
         batch.joined(self._sample(rows, out.logits[:, -1, :]))
         self._count_join(rows, computed)
@@ -171,7 +173,7 @@ class HFEngine:
     def _mixed(self, batch: RunningBatch, rows: list[Row]) -> None:
         """The running rows' next token and the new rows' uncached tokens in one packed forward
         pass (packed_attention.py), the new rows' first token sampled; then they run too."""
-        computed = plan_reuse(self.prefix_cache, self.model, rows)
+        computed = plan_reuse(self.prefix_cache, self.model, rows, self.message_end_ids)
         inputs, plan = batch.mixed_inputs(rows)
         with packed(plan):
             out = self.model(**inputs)

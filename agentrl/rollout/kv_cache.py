@@ -7,9 +7,12 @@ engine reuses only entries a request's computation does not depend on the timing
 the longest entry the request extends (its episode's previous turn, so the next turn prefills only
 the tool or user output and the generation prompt; the extended entry is then dropped), or an
 entry holding all of the request's tokens but the last (a GRPO group's shared prompt, which the
-engine computes once and stores, see hf_engine). Entries are evicted least recently used first
-once their bytes pass the budget; a miss simply prefills everything again. A weight update drops
-every entry.
+engine computes once and stores, see hf_engine). Prompts of different tasks share their first chat
+message (the system prompt and the tool schemas, often most of a first prompt): `plan_reuse`
+computes that message in a pass of its own, split where the prompt's own tokens say (after the
+first message-end token), and keeps it as a shared entry, so every later prompt that starts with
+it computes only the rest. Entries are evicted least recently used first once their bytes pass
+the budget; a miss simply prefills everything again. A weight update drops every entry.
 
 The running batch (running_batch.py) copies a hit's keys and values into the row's slot; `plan_reuse`
 sets the hits of the rows about to join it.
@@ -27,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from agentrl.errors import ConfigError
 from agentrl.models import plain_attention_layers
@@ -39,6 +43,7 @@ class CacheEntry:
     ids_T: torch.Tensor  # int64, on the CPU: the tokens whose keys and values are held
     kv: KV
     nbytes: int
+    shared: bool = False  # a first message, reused only by `plan_reuse`'s split (`shared_prefix`)
 
 
 @dataclass
@@ -109,6 +114,8 @@ class PrefixKVCache:
         whole: tuple[int, CacheEntry] | None = None
         for key, entry in self._entries.items():
             n = len(entry.ids_T)
+            if entry.shared:
+                continue
             if n <= len(ids) and (extended is None or n > len(extended[1].ids_T)) and torch.equal(entry.ids_T, ids_T[:n]):
                 extended = key, entry
             elif whole is None and n >= len(ids) - 1 and torch.equal(entry.ids_T[:len(ids) - 1], ids_T[:-1]):
@@ -124,7 +131,16 @@ class PrefixKVCache:
         self._entries.move_to_end(key)
         return hit
 
-    def store(self, ids: list[int], kv: KV, replaces: int | None = None) -> None:
+    def shared_prefix(self, ids: list[int]) -> CacheEntry | None:
+        """The shared entry holding exactly `ids` (a first message), if kept."""
+        ids_T = torch.tensor(ids)
+        for key, entry in self._entries.items():
+            if entry.shared and len(entry.ids_T) == len(ids) and torch.equal(entry.ids_T, ids_T):
+                self._entries.move_to_end(key)
+                return entry
+        return None
+
+    def store(self, ids: list[int], kv: KV, replaces: int | None = None, shared: bool = False) -> None:
         """Add an entry (dropping `replaces`, an entry it extends), then evict down to the budget.
         An entry larger than the whole budget is not kept."""
         nbytes = sum(t.numel() * t.element_size() for t in kv) + 8 * len(ids)
@@ -132,7 +148,7 @@ class PrefixKVCache:
             return
         if replaces is not None and replaces in self._entries:
             self.bytes -= self._entries.pop(replaces).nbytes
-        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), kv, nbytes)
+        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), kv, nbytes, shared)
         self._next_key += 1
         self.bytes += nbytes
         while self.bytes > self.budget_bytes:
@@ -141,29 +157,59 @@ class PrefixKVCache:
             self.evictions += 1
 
 
-def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list) -> int:
+MIN_SHARED_TOKENS = 64  # a shorter first message costs less to recompute than a pass of its own
+
+
+def split_point(prefix: list[int], message_end_ids: frozenset[int]) -> int:
+    """Where a prefix pass splits `prefix`: after its first message-end token, when that message is
+    at least MIN_SHARED_TOKENS long and tokens follow it; 0 (no split) otherwise. It depends on the
+    prompt's own tokens only, so a prompt is split at the same point whoever computed its message."""
+    end = next((i + 1 for i, token in enumerate(prefix) if token in message_end_ids), 0)
+    return end if MIN_SHARED_TOKENS <= end < len(prefix) else 0
+
+
+def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list,
+               message_end_ids: frozenset[int] = frozenset()) -> int:
     """Set each row's cache `hit` (rows: the running batch's `Row`s) so that how a request is
     computed never depends on which other requests came first or arrived with it (that changes
     float rounding, and a resumed or rescheduled run must sample the same tokens): rows reuse only
     what `reusable` allows. A row with nothing to reuse first computes all its tokens but the last
     alone (batch 1, no padding) and stores them, so the rows of a GRPO group, which share their
-    prompt, compute it once whether they arrive together or not. Returns the tokens those prefix
-    passes computed."""
+    prompt, compute it once whether they arrive together or not. That prefix pass is split after
+    the prompt's first message (`split_point`), whose keys and values are kept as a shared entry:
+    the message is computed the same way whether this row or an earlier one with the same message
+    computed it, and only once. Returns the tokens the prefix passes computed."""
     for row in rows:
         row.hit = cache.reusable(row.prompt)
     if cache.budget_bytes == 0:
         return 0
-    computed, device = 0, next(model.parameters()).device
+    computed = 0
     for row in rows:
         if row.hit.length or len(row.prompt) < 2:
             continue
         row.hit = cache.reusable(row.prompt)  # a row before it may have stored it
         if not row.hit.length:
             prefix = row.prompt[:-1]
-            out = model(input_ids=torch.tensor([prefix], device=device), use_cache=True, logits_to_keep=1)
-            layers = out.past_key_values.layers
-            cache.store(prefix, (torch.stack([layer.keys[0] for layer in layers]),
-                                 torch.stack([layer.values[0] for layer in layers])))
+            split = split_point(prefix, message_end_ids)
+            first = cache.shared_prefix(prefix[:split]) if split else None
+            past = first.kv if first is not None else None
+            if split and first is None:
+                past = prefix_pass(model, prefix[:split], None)
+                cache.store(prefix[:split], past, shared=True)
+                computed += split
+            cache.store(prefix, prefix_pass(model, prefix[split:], past))
+            computed += len(prefix) - split
             row.hit = cache.reusable(row.prompt)  # nothing when over the budget
-            computed += len(prefix) if row.hit.length else 0
     return computed
+
+
+def prefix_pass(model: torch.nn.Module, ids: list[int], past: KV | None) -> KV:
+    """Keys and values of every layer for `past`'s tokens followed by `ids`, computed at batch 1."""
+    cache = DynamicCache()
+    if past is not None:  # a computed first message goes through here too: the same tensors either way
+        for layer, (keys, values) in enumerate(zip(*past)):
+            cache.update(keys[None], values[None], layer)
+    device = next(model.parameters()).device
+    layers = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).past_key_values.layers
+    return torch.stack([layer.keys[0] for layer in layers]), torch.stack([layer.values[0] for layer in layers])

@@ -23,7 +23,7 @@ from agentrl.env.tool_env import ToolLimits
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import run_episodes, summarize, write_jsonl
 from agentrl.rollout.engine import Engine
-from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_ids
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.rollout.memory_saver import memory_saver_for
 from agentrl.tools.loader import close_tools, load_tool_files
@@ -60,8 +60,10 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
         interaction_scores=config.reward.interaction_scores)
 
 
-def build_engine(config: RecipeConfig, pad_token_id: int) -> Engine:
-    """The engine `engine.name` asks for; SGLang is imported only when it is the one."""
+def build_engine(config: RecipeConfig, pad_token_id: int, message_end_ids: tuple[int, ...] = ()) -> Engine:
+    """The engine `engine.name` asks for; SGLang is imported only when it is the one. The tokens
+    that end a chat message let the transformers engine share prompts' first messages (SGLang's
+    radix cache shares any prefix)."""
     e = config.engine
     if e.name == "sglang":
         from agentrl.rollout.sglang_engine import build_sglang_engine
@@ -71,7 +73,7 @@ def build_engine(config: RecipeConfig, pad_token_id: int) -> Engine:
     with saver.region("weights"):
         model = load_model(config.model.path, choose_dtype(config.model.dtype, e.device).dtype).to(e.device)
     return HFEngine(model, pad_token_id=pad_token_id, max_batch_size=e.max_batch_size, seed=e.seed,
-                    kv_cache_bytes=e.kv_cache_bytes, memory_saver=saver)
+                    kv_cache_bytes=e.kv_cache_bytes, memory_saver=saver, message_end_ids=message_end_ids)
 
 
 def load_user_parts(config: RecipeConfig) -> tuple[list, Callable[[], Any] | None, Any]:
@@ -98,7 +100,7 @@ def load_policy(config: RecipeConfig, engine: Engine | None = None,
     one is given)."""
     tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=needs_tools)
     if engine is None:
-        engine = build_engine(config, tokenizer.pad_token_id)
+        engine = build_engine(config, tokenizer.pad_token_id, stop_token_ids(tokenizer))
     return tokenizer, engine
 
 
