@@ -137,8 +137,9 @@ class EngineConfig(_Section):
     max_batch_size: int = Field(64, ge=1, description="Generate calls decoded together (hf).")
     seed: int = Field(0, description="Sampling seed.")
     kv_cache_bytes: int = Field(2 * 1024**3, ge=0, description="Memory for keys and values kept between an "
-                                "episode's turns, so a turn prefills only its new tokens; least recently used "
-                                "entries are evicted beyond it (0: off).")
+                                "episode's turns, so a turn prefills only its new tokens, and for prompts' "
+                                "first messages shared across tasks; least recently used entries are evicted "
+                                "beyond it (0: off).")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="SGLang settings (name 'sglang').")
 
 

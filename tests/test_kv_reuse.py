@@ -131,13 +131,27 @@ def test_prompts_opening_with_the_same_message_compute_it_once_and_the_same(tiny
         assert shared.stats["prefill_tokens"] - before["prefill_tokens"] == len(prompt) - split
         want = alone(prompt)
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs  # bit for bit
-    assert sum(entry.shared for entry in shared.prefix_cache._entries.values()) == 1
-    # Without message ends nothing is shared across tasks; the split changes no token either.
+    entries = list(shared.prefix_cache._entries.values())
+    assert [len(e.ids_T) for e in entries if e.shared] == [split]
+    # Without message ends nothing is shared across tasks; splitting moves no logprob beyond rounding.
     unsplit = HFEngine(tiny_model, pad_token_id=2)
-    assert unsplit.generate_batch([prompts[0]], [greedy(8)])[0].token_ids == first.token_ids
+    whole = unsplit.generate_batch([prompts[0]], [greedy(8)])[0]
+    assert whole.token_ids == first.token_ids
+    torch.testing.assert_close(torch.tensor(whole.logprobs), torch.tensor(first.logprobs), atol=1e-5, rtol=0)
     before = dict(unsplit.stats)
     unsplit.generate_batch([prompts[1]], [greedy(8)])
     assert unsplit.stats["cached_tokens"] == before["cached_tokens"]
+    # Arriving together, the first prompt computes the message and the others load it at once.
+    together = HFEngine(tiny_model, pad_token_id=2, message_end_ids=ends)
+    together.generate_batch(prompts, [greedy(8)] * len(prompts))
+    assert together.stats["prefill_tokens"] == sum(len(p) for p in prompts) - split * (len(prompts) - 1)
+    # A budget that keeps the message but not a whole prompt: the row computes everything when it
+    # joins, and the counts say so (nothing reused, every token prefilled once).
+    message_bytes = next(e.nbytes for e in entries if e.shared)
+    tight = HFEngine(tiny_model, pad_token_id=2, message_end_ids=ends, kv_cache_bytes=message_bytes)
+    got = tight.generate_batch([prompts[1]], [greedy(8)])[0]
+    assert tight.stats["cached_tokens"] == 0 and tight.stats["prefill_tokens"] == len(prompts[1])
+    assert got.token_ids == alone(prompts[1]).token_ids
 
 
 def test_a_prompt_splits_after_its_first_long_message_only():

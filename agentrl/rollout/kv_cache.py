@@ -18,8 +18,9 @@ The running batch (running_batch.py) copies a hit's keys and values into the row
 sets the hits of the rows about to join it.
 
 Why not transformers' own: its caches hold one batch for one `generate` call, with no notion of
-entries that outlive it. This module is not a radix tree (siblings store their shared prompt once
-each) and not paged memory; it holds models whose every layer is a plain `DynamicLayer` (no sliding
+entries that outlive it. This module is not a radix tree (a shared first message is computed once
+but also stored inside every whole prompt's entry, and siblings store their shared prompt once each)
+and not paged memory; it holds models whose every layer is a plain `DynamicLayer` (no sliding
 windows, no linear attention) caching keys and values of the config's shape (`check_cache_layout`),
 the only ones the transformers engine decodes.
 """
@@ -106,7 +107,8 @@ class PrefixKVCache:
         """What the engine may reuse for `ids`: the longest entry that is a prefix of them (its
         length, at most len(ids) - 1), else an entry whose first len(ids) - 1 tokens are ids[:-1];
         nothing otherwise. A partial match with another episode's tokens is not reused: whether it
-        exists depends on timing, and a prompt split at a different point rounds differently."""
+        exists depends on timing, and a prompt split at a different point rounds differently. Shared
+        first messages are skipped: only `plan_reuse`'s split, always at the same point, loads them."""
         if not self._entries or len(ids) < 2:
             return Hit()
         ids_T = torch.tensor(ids)
@@ -178,7 +180,9 @@ def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list,
     prompt, compute it once whether they arrive together or not. That prefix pass is split after
     the prompt's first message (`split_point`), whose keys and values are kept as a shared entry:
     the message is computed the same way whether this row or an earlier one with the same message
-    computed it, and only once. Returns the tokens the prefix passes computed."""
+    computed it, and only once. A first message no other prompt shares costs one more pass and an
+    entry nobody reuses. Returns the tokens of the rows' hits that these passes computed (work
+    whose result did not fit the budget is not counted: the row computes it again when it joins)."""
     for row in rows:
         row.hit = cache.reusable(row.prompt)
     if cache.budget_bytes == 0:
@@ -196,10 +200,10 @@ def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list,
             if split and first is None:
                 past = prefix_pass(model, prefix[:split], None)
                 cache.store(prefix[:split], past, shared=True)
-                computed += split
             cache.store(prefix, prefix_pass(model, prefix[split:], past))
-            computed += len(prefix) - split
             row.hit = cache.reusable(row.prompt)  # nothing when over the budget
+            if row.hit.length:
+                computed += len(prefix) - (split if first is not None else 0)
     return computed
 
 
