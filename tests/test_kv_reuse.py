@@ -21,6 +21,8 @@ from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_i
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.errors import ConfigError
 from agentrl.models import plain_attention_layers
+from agentrl.recipe import load_recipe
+from agentrl.rollout.run import load_policy
 from agentrl.rollout.kv_cache import MIN_SHARED_TOKENS, PrefixKVCache, split_point
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
@@ -152,6 +154,14 @@ def test_prompts_opening_with_the_same_message_compute_it_once_and_the_same(tiny
     got = tight.generate_batch([prompts[1]], [greedy(8)])[0]
     assert tight.stats["cached_tokens"] == 0 and tight.stats["prefill_tokens"] == len(prompts[1])
     assert got.token_ids == alone(prompts[1]).token_ids
+
+
+def test_the_recipe_engine_splits_at_the_tokenizer_message_ends(tiny_model_dir):
+    """The engine the CLI, the trainer and the server build knows where the template ends a
+    message (ChatML's <|im_end|>), so their prompts share the first message."""
+    tokenizer, engine = load_policy(load_recipe(None, [f"model.path={tiny_model_dir}"]))
+    assert engine.message_end_ids == frozenset(stop_token_ids(tokenizer))
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in engine.message_end_ids
 
 
 def test_a_prompt_splits_after_its_first_long_message_only():
