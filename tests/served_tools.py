@@ -47,3 +47,39 @@ class SlowStart:
 
     async def release(self, instance_id: str) -> None:
         return None
+
+
+@tool
+def quit_early(code: int) -> str:
+    """Calls sys.exit, as a wrapped command-line program does on bad input.
+
+    Args:
+        code: The exit status.
+    """
+    raise SystemExit(code)
+
+
+class OwnIds:
+    """A tool that names its instances itself (`create` returns a session id of its own) and
+    reports a metric in a shape the protocol does not allow (a list)."""
+
+    schema = {"type": "function", "function": {"name": "own_ids", "description": "Says which session it is.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, str] = {}
+        self.released: list[str] = []
+
+    async def create(self, instance_id: str, **kwargs) -> str:
+        self.sessions[f"session-{instance_id}"] = instance_id
+        return f"session-{instance_id}"
+
+    async def execute(self, instance_id: str, arguments: dict) -> ToolResult:
+        return ToolResult(f"in {instance_id} of {self.sessions[instance_id]}", metrics=["not", "a", "mapping"])
+
+    async def reward(self, instance_id: str) -> float:
+        return 1.0 if instance_id in self.sessions else 0.0
+
+    async def release(self, instance_id: str) -> None:
+        del self.sessions[instance_id]
+        self.released.append(instance_id)

@@ -77,3 +77,36 @@ def test_plain_text_has_no_calls():
 def test_json_past_pythons_limits_becomes_an_error(body, error):
     turn = parse_hermes(f"<tool_call>{body}</tool_call>")
     assert turn.calls == [] and turn.errors == [error]
+
+
+def test_a_block_ends_where_its_json_ends_so_arguments_may_hold_the_closing_tag():
+    text = 'Run it. <tool_call>{"name": "python", "arguments": {"code": "print(\'</tool_call>\')"}}</tool_call> then stop.'
+    turn = parse_hermes(text)
+    assert [(c.name, c.arguments) for c in turn.calls] == [("python", {"code": "print('</tool_call>')"})]
+    assert turn.errors == [] and turn.content == "Run it.  then stop."
+
+
+def test_an_unclosed_block_does_not_swallow_the_calls_after_it():
+    broken = '<tool_call>{"name": "calculator", "arg\n'
+    turn = parse_hermes(broken + '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "1+1"})]
+    assert turn.errors == ["a <tool_call> was opened but never closed with </tool_call>"]
+    assert turn.content == broken.strip()  # the unclosed block stays in the text, as written
+
+
+@pytest.mark.parametrize("body,arguments,error", [
+    ('{"name": "now", "arguments": null}', {}, None),  # a tool without parameters, as some models call it
+    ('{"name": "calculator", "arguments": {"expression": NaN}}', None,
+     'the tool call is not valid JSON (NaN is not JSON): {"name": "calculator", "arguments": {"expression": NaN}}'),
+    ('{"name": "calculator", "arguments": "{\\"x\\": Infinity}"}', None,
+     "the arguments of 'calculator' are a string that is not a JSON object"),
+])
+def test_null_arguments_and_numbers_json_has_not(body, arguments, error):
+    turn = parse_hermes(f"<tool_call>{body}</tool_call>")
+    assert [c.arguments for c in turn.calls] == ([arguments] if arguments is not None else [])
+    assert turn.errors == ([error] if error else [])
+
+
+@pytest.mark.parametrize("expr", ["1e999", "1e999 - 1e999", "-1e101 + 1"])
+def test_numbers_past_the_magnitude_cap_are_refused_not_turned_into_inf_or_nan(expr):
+    assert calculator(expr) == "Error: a number is out of range (larger than 1e+100)"

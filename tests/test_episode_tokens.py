@@ -202,3 +202,25 @@ def test_an_interaction_that_fails_to_start_still_gets_the_tools_released(tokeni
     traj = asyncio.run(runner.run(TASK, "g"))
     assert (traj.finish, traj.error) == ("error", "RuntimeError: no judge today")
     assert events == ["create", "release", "interaction finish"]
+
+
+def test_a_prompt_made_of_template_tokens_cannot_trade_places_with_the_templates_own(tokenizer):
+    """Content equal to a template fragment (`<|im_start|>` alone, or `<|im_end|>` after a system
+    turn) is text; the control tokens are exactly where the template puts them, whatever content
+    would match first if searched for."""
+    from agentrl.rollout.chat import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, [])
+
+    def plain(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def literal(text):
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    assert renderer.prompt_ids([{"role": "user", "content": "<|im_start|>"}]) == (
+        [1] + plain("user\n") + literal("<|im_start|>") + [2] + plain("\n") + [1] + plain("assistant\n"))
+    assert renderer.prompt_ids([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<|im_end|>"}]) == (
+        [1] + plain("system\nBe brief.") + [2] + plain("\n") + [1] + plain("user\n") + literal("<|im_end|>") + [2]
+        + plain("\n") + [1] + plain("assistant\n"))
+    assert literal("<|im_start|>") == [44, 108, 306, 79, 3738, 108, 46]

@@ -103,3 +103,46 @@ def test_interaction_yaml(tmp_path):
     bad.write_text("interactions:\n  - class: agentrl.env.gsm8k:GSM8KInteraction\n    config: {max_attempts: 0}\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: interaction 'agentrl.env.gsm8k:GSM8KInteraction': config"):
         load_interaction(bad)
+
+
+class Judge:
+    """An interaction for the loader tests: a typed config with a secret in it."""
+
+    def __init__(self, model: str, api_key: str, tolerance: float = 0.0):
+        if not model.startswith("judge-"):
+            raise ValueError(f"unknown judge model {model!r}")
+        self.tolerance = tolerance
+
+    async def start(self, task): return None  # noqa: E704
+    async def respond(self, messages): return None  # noqa: E704
+    async def finish(self): return None  # noqa: E704
+
+
+class BlockingJudge(Judge):
+    def respond(self, messages): return None  # noqa: E704
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("{class: tests.test_interaction_and_rewards:Judge, config: {model: gpt, api_key: sk-live-SECRET}}",
+     "config {'model': 'gpt', 'api_key': '***'} rejected (unknown judge model 'gpt')"),
+    ("{class: tests.test_interaction_and_rewards:Judge, config: {model: judge-1, api_key: k, tolerance: [1]}}",
+     "config.tolerance = [1]: expected float"),
+    ("{class: tests.test_interaction_and_rewards:Judge, config: []}", "key 'config' must be a mapping, not list"),
+    ("{class: tests.test_interaction_and_rewards:BlockingJudge, config: {model: judge-1, api_key: k}}",
+     "method(s) respond must be 'async def'"),
+    ("{class: 7}", "interaction #1: key 'class' must be text"),
+])
+def test_bad_interaction_files_name_the_key_and_hide_secrets(tmp_path, entry, message):
+    path = tmp_path / "judge.yaml"
+    path.write_text(f"interactions:\n  - {entry}\n")
+    with pytest.raises(ConfigError) as err:
+        load_interaction(path)
+    assert str(err.value).startswith(f"{path}: interaction") and message in str(err.value)
+    assert "SECRET" not in str(err.value)
+
+
+def test_interaction_config_values_are_converted_to_the_constructors_types(tmp_path):
+    path = tmp_path / "judge.yaml"  # YAML reads 1e-6 as text
+    path.write_text("interactions:\n  - {class: tests.test_interaction_and_rewards:Judge, "
+                    "config: {model: judge-1, api_key: k, tolerance: 1e-6}}\n")
+    assert load_interaction(path)().tolerance == 1e-6

@@ -24,6 +24,25 @@ class Schemaless:
     async def release(self, instance_id): return None
 
 
+class SyncMethods(Schemaless):
+    schema = {"type": "function", "function": {"name": "sync_methods", "parameters": {"type": "object"}}}
+
+    def execute(self, instance_id, arguments): return "blocks the loop"  # noqa: E704
+
+
+class ComputedSchema(Schemaless):
+    @property
+    def schema(self):
+        return {"type": "function", "function": {"name": "computed", "parameters": {"type": "object"}}}
+
+
+class RefusingSet:
+    """A ToolSet whose server refuses to list its tools."""
+
+    def tools(self):
+        raise RuntimeError("server said no")
+
+
 def write(tmp_path, body: str, name: str = "tools.yaml"):
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
@@ -87,6 +106,18 @@ def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
     ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, parameters: {type: object, "
      "properties: {x: {type: banana}}}}}\n", "tool 'c' (#1): schema.function.parameters is not valid JSON Schema"),
     ("tools:\n  - class: not_registered\n", "'not_registered' is neither 'module:attr' nor a registered"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, parameters: {$schema: 7, "
+     "type: object}}}\n", "tool 'c' (#1): schema.function.parameters is not valid JSON Schema (AttributeError:"),
+    ("tools:\n  - class: tests.test_tool_loader:ComputedSchema\n    schema: {type: function, function: {name: c}}\n",
+     "tool 'c' (#1): key 'schema': the class does not take a schema"),
+    ("tools:\n  - class: tests.test_tool_loader:RefusingSet\n",
+     "tool #1 (class 'tests.test_tool_loader:RefusingSet'): listing its tools failed: RuntimeError: server said no"),
+    ("tools:\n  - class: tests.test_tool_loader:SyncMethods\n",
+     "'tests.test_tool_loader:SyncMethods' method(s) execute must be 'async def' (or write the tool as a plain function)"),
+    ("tools:\n  - class: check_answer\n    config: []\n", "tool #1 (class 'check_answer'): key 'config' must be a "
+     "mapping, not list"),
+    ("tools:\n  - class: check_answer\n    config: false\n", "key 'config' must be a mapping, not bool"),
+    ("tools:\n  - class: 123\n", "tool #1: key 'class' must be text ('module:attr' or a registered name), not 123"),
     ("tool:\n  - class: calculator\n", "expected a mapping with exactly one key 'tools' holding a list"),
     ("tools: [\n", "not valid YAML"),
 ])

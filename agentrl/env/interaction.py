@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from agentrl.errors import ConfigError
-from agentrl.tools.loader import read_yaml_list, resolve_reference
+from agentrl.tools.loader import async_problem, class_problem, masked, read_yaml_list, resolve_reference, typed_config
 from agentrl.types import Task
 
 ENTRY_POINT_GROUP = "agentrl.interactions"
@@ -42,18 +42,25 @@ def load_interaction(path: str | Path) -> Callable[[], Interaction]:
     if len(entries) != 1:
         raise ConfigError(f"{path}: expected exactly one interaction, found {len(entries)}")
     entry = entries[0]
-    if not isinstance(entry, dict) or not isinstance(entry.get("class"), str):
-        raise ConfigError(f"{path}: interaction #1: missing key 'class' ('module:attr')")
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{path}: interaction #1: must be a mapping with a 'class' key")
+    problem = class_problem(entry)
+    if problem:
+        raise ConfigError(f"{path}: interaction #1: {problem}")
+    where = f"{path}: interaction '{entry['class']}'"
     unknown = sorted(set(entry) - {"class", "config"})
     if unknown:
-        raise ConfigError(f"{path}: interaction '{entry['class']}': unknown key '{unknown[0]}'")
-    config = entry.get("config") or {}
+        raise ConfigError(f"{where}: unknown key '{unknown[0]}'")
+    config = entry.get("config", {})
+    if not isinstance(config, dict | None):
+        raise ConfigError(f"{where}: key 'config' must be a mapping, not {type(config).__name__}")
     try:
         cls = resolve_reference(entry["class"], group=ENTRY_POINT_GROUP)
+        if not inspect.isclass(cls):
+            raise ValueError("not a class")
+        config = typed_config(cls, config or {})  # converted as tool configs are: `1e-6` → 1e-06
     except ValueError as e:
-        raise ConfigError(f"{path}: interaction '{entry['class']}': {e}") from None
-    if not inspect.isclass(cls):
-        raise ConfigError(f"{path}: interaction '{entry['class']}': not a class")
+        raise ConfigError(f"{where}: {e}") from None
 
     def factory() -> Interaction:
         return cls(**config)
@@ -61,8 +68,8 @@ def load_interaction(path: str | Path) -> Callable[[], Interaction]:
     try:
         probe = factory()
     except Exception as e:
-        raise ConfigError(f"{path}: interaction '{entry['class']}': config {config} rejected ({e})") from None
-    missing = [m for m in ("start", "respond", "finish") if not hasattr(probe, m)]
-    if missing:
-        raise ConfigError(f"{path}: interaction '{entry['class']}': lacks {', '.join(missing)}")
+        raise ConfigError(f"{where}: config {masked(config)} rejected ({e})") from None
+    problem = async_problem(probe, ("start", "respond", "finish"))
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
     return factory

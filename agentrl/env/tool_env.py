@@ -7,18 +7,23 @@ and a counted metric; nothing here raises into the episode loop.
 Counters: every call the model made counts in `tool_calls` (those over the per-turn limit too, as
 errors), and `tool_errors` counts the calls among them that did not return a result, so
 `tool_errors / tool_calls` is at most 1. Failures of `create`, `reward` and `release`, which no call
-made, count in `tool_lifecycle_errors`.
+made, count in `tool_lifecycle_errors`. Every call into a tool goes through `call_plugin`: its
+timeout fires even for a tool that ignores cancellation, and a tool's `SystemExit` or own
+`CancelledError` fails that call only. A tool's metric may not reuse a counter's name (those
+above, and `tool/<name>/...`): it is dropped and counted in `tool_invalid_results`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from agentrl.tools.base import Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 from agentrl.tools.parsers import ParsedTurn
+from agentrl.tools.threads import call_plugin, failure_text
 from agentrl.types import Task, ToolCall
 
 
@@ -36,19 +41,26 @@ class ToolEnv:
         self.limits = limits
         self.truncate = truncate  # text → (text within the token budget, whether it was cut)
         self.instance_ids: dict[str, str] = {}
+        self.start_errors: dict[str, str] = {}  # why a tool could not be started, shown at its first call
         self.metrics: dict[str, float] = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
                                           "tool_lifecycle_errors": 0, "parse_errors": 0, "tool_truncations": 0,
                                           "tool_invalid_results": 0, "tool_latency_s": 0.0}
+        self.counters = frozenset(self.metrics)
         self.step_rewards: list[float] = []
 
     async def start(self, episode_id: str, task: Task) -> None:
         for name, t in self.tools.items():
             kwargs = {"ground_truth": task.answer, **task.tool_kwargs.get(name, {})}
+            instance_id = f"{episode_id}/{name}"
             try:
-                self.instance_ids[name] = await asyncio.wait_for(
-                    t.create(f"{episode_id}/{name}", **kwargs), self.limits.timeout_s) or f"{episode_id}/{name}"
-            except Exception:  # a tool that cannot start is reported at its first call
+                self.instance_ids[name] = await call_plugin(t.create(instance_id, **kwargs),
+                                                            self.limits.timeout_s) or instance_id
+            except Exception as e:  # a tool that cannot start is reported at its first call
                 self.metrics["tool_lifecycle_errors"] += 1
+                self.start_errors[name] = (f"TimeoutError: no answer within {self.limits.timeout_s:g} s"
+                                           if isinstance(e, asyncio.TimeoutError) else failure_text(e))
+                # What a failed create made before it failed is the tool's to free, as after any episode.
+                await self._quietly(t.release(instance_id))
 
     async def run_turn(self, parsed: ParsedTurn) -> list[dict[str, Any]]:
         """Tool messages answering one assistant turn: calls in order, then parse errors."""
@@ -78,8 +90,10 @@ class ToolEnv:
             return f"Error: {problem}"
         started = time.perf_counter()
         try:
-            result = await asyncio.wait_for(
-                self.tools[call.name].execute(self.instance_ids[call.name], call.arguments), self.limits.timeout_s)
+            # A copy: a tool that edits its arguments in place must not rewrite the recorded call.
+            arguments = copy.deepcopy(call.arguments)
+            result = await call_plugin(
+                self.tools[call.name].execute(self.instance_ids[call.name], arguments), self.limits.timeout_s)
             text = self._result_text(call.name, result)
         except asyncio.TimeoutError:
             self.metrics["tool_timeouts"] += 1
@@ -95,8 +109,8 @@ class ToolEnv:
         return text
 
     def _unexpected(self, call: ToolCall, error: BaseException) -> str:
-        """The message for a call that ended past `_run_call`'s own handling (a tool raising
-        CancelledError, which is no Exception)."""
+        """The message for a call that ended past `_run_call`'s own handling: a BaseException
+        `call_plugin` does not convert (KeyboardInterrupt on this thread)."""
         self._count(call.name, "errors")
         return _failure(call.name, error)
 
@@ -111,7 +125,7 @@ class ToolEnv:
         if call.name not in self.tools:
             return f"unknown tool '{call.name}'; available: {', '.join(sorted(self.tools)) or 'none'}."
         if call.name not in self.instance_ids:
-            return f"{call.name} could not be started for this episode."
+            return f"{call.name} could not be started for this episode ({self.start_errors[call.name]})."
         return argument_problem(self.tools[call.name], call.arguments)
 
     def _result_text(self, name: str, result: Any) -> str:
@@ -127,7 +141,7 @@ class ToolEnv:
                 self.step_rewards.append(reward)
             for key, value in (result.metrics.items() if isinstance(result.metrics, dict) else ()):
                 number = finite_number(value)
-                if number is None or not isinstance(key, str):
+                if number is None or not isinstance(key, str) or key in self.counters or key.startswith("tool/"):
                     self.metrics["tool_invalid_results"] += 1
                     continue
                 self.metrics[key] = self.metrics.get(key, 0.0) + number
@@ -136,32 +150,30 @@ class ToolEnv:
         return text
 
     async def finish(self) -> float:
-        """Release every instance; returns the sum of the tools' final rewards."""
+        """Release every instance; returns the sum of the tools' final rewards. Each instance is
+        released whatever its reward() or another tool's release() did."""
         total = 0.0
         for name, instance_id in self.instance_ids.items():
             t = self.tools[name]
-            try:  # a failing reward() must not skip release(): that would leak the instance's state
-                reward = await asyncio.wait_for(t.reward(instance_id), self.limits.timeout_s)
+            try:
+                reward = await call_plugin(t.reward(instance_id), self.limits.timeout_s)
                 number = finite_number(reward)
                 if reward is not None and number is None:
                     self.metrics["tool_invalid_results"] += 1
                 total += number or 0.0
             except Exception:
                 self.metrics["tool_lifecycle_errors"] += 1
-            try:
-                await asyncio.wait_for(t.release(instance_id), self.limits.timeout_s)
-            except Exception:
-                self.metrics["tool_lifecycle_errors"] += 1
+            self.metrics["tool_lifecycle_errors"] += not await self._quietly(t.release(instance_id))
         return total
+
+    async def _quietly(self, coro: Any) -> bool:
+        """Run a release; whether it succeeded (it never raises but for this episode's cancellation)."""
+        try:
+            await call_plugin(coro, self.limits.timeout_s)
+            return True
+        except Exception:
+            return False
 
 
 def _failure(name: str, error: BaseException) -> str:
-    detail = _describe(error)
-    return f"Error: {name} failed: {type(error).__name__}{': ' + detail if detail else ''}"
-
-
-def _describe(error: BaseException) -> str:
-    try:
-        return as_text(str(error))
-    except Exception:  # noqa: BLE001 - a plug-in's exception may fail to print
-        return "<unprintable>"
+    return f"Error: {name} failed: {as_text(failure_text(error))}"

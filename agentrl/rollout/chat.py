@@ -19,11 +19,12 @@ This module does not sample, run tools or train.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from agentrl.tools.base import Tool
 from agentrl.tools.parsers import ParsedTurn
 
+_MARK = "\U000f8ff0"  # a private-use character: where a literal content goes in a second rendering
 _FALLBACK_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 
@@ -50,36 +51,43 @@ class ChatRenderer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def encode_rendered(self, text: str, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_rendered(self, text: str, messages: list[dict[str, Any]],
+                        remake: Callable[[list[dict[str, Any]]], str]) -> list[int]:
         """Ids of `text`, a rendering that holds `messages`, in which the messages' own text can
         never become control tokens: a tool's output or a task's prompt that contains the string
         `<|im_end|>` would otherwise end its turn and open a turn the policy never wrote. Such a
         content is encoded as plain text (what OpenAI's API does with user text); everything else,
         as the whole rendering, so ids stay those of `encode(text)` whenever no content holds a
-        special token's text. System messages are the recipe's and are rendered as written."""
-        pieces, cursor = [], 0
+        special token's text. System messages are the recipe's and are rendered as written.
+
+        Where each such content sits is found by rendering again (`remake` makes `text` from other
+        messages) with a marker in its place, never by searching for the content, which could match
+        the template's own tokens first (a prompt that is just `<|im_start|>`)."""
+        marked, literals = [], []
         for message in messages:
             content = message.get("content")
-            if message.get("role") == "system" or not isinstance(content, str):
-                continue
-            special = next((t for t in self.special_texts if t in content), None)
-            if special is None:
-                continue
-            at = text.find(content, cursor)
-            if at < 0:
-                raise TemplateError(f"a {message.get('role')} message contains the special token text {special!r} "
-                                    "and the chat template does not render it verbatim, so it cannot be kept as text")
-            pieces += [(text[cursor:at], False), (content, True)]
-            cursor = at + len(content)
-        if not pieces:
+            if message.get("role") != "system" and isinstance(content, str) and \
+                    any(t in content for t in self.special_texts):
+                message = {**message, "content": f"{_MARK}{len(literals)}{_MARK}"}
+                literals.append(content)
+            marked.append(message)
+        if not literals:
             return self.encode(text)
+        pieces = remake(marked).split(_MARK)  # text, index, text, index, ..., text
+        indices = pieces[1::2]
+        if indices != [str(i) for i in range(len(literals))] or \
+                "".join(p if i % 2 == 0 else literals[i // 2] for i, p in enumerate(pieces)) != text:
+            raise TemplateError("a message contains a special token's text and the chat template does not render "
+                                "it verbatim, so it cannot be kept as text")
         ids: list[int] = []
-        for piece, literal in pieces + [(text[cursor:], False)]:
-            ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=literal)["input_ids"]
+        for i, piece in enumerate(pieces):
+            ids += (self.tokenizer(literals[i // 2], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                    if i % 2 else self.encode(piece))
         return ids
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode_rendered(self.render_text(messages, add_generation_prompt=True), messages)
+        return self.encode_rendered(self.render_text(messages, add_generation_prompt=True), messages,
+                                    lambda marked: self.render_text(marked, add_generation_prompt=True))
 
     def assistant_message(self, history: list[dict[str, Any]], text: str, parsed: ParsedTurn,
                           turn_ids: list[int]) -> tuple[dict[str, Any], bool]:
@@ -112,7 +120,8 @@ class ChatRenderer:
         current = self.decode(current_ids)
         full = self.render_text(history + new, add_generation_prompt=True)
         if full.startswith(current):
-            return self.encode_rendered(full[len(current):], new), False
+            return self.encode_rendered(full[len(current):], new, lambda marked: self.render_text(
+                history + marked, add_generation_prompt=True)[len(current):]), False
         base = self.render_text(_FALLBACK_BASE, add_generation_prompt=False)
         extended = self.render_text(_FALLBACK_BASE + new, add_generation_prompt=True)
         if not extended.startswith(base):
@@ -125,7 +134,8 @@ class ChatRenderer:
         ended = self.decode(stopped_on)
         end = ended if ended and ended in base else (self.tokenizer.eos_token or "")
         boundary = base[base.rfind(end) + len(end):] if end and end in base else ""
-        return self.encode_rendered(boundary + extended[len(base):], new), True
+        return self.encode_rendered(boundary + extended[len(base):], new, lambda marked: boundary + self.render_text(
+            _FALLBACK_BASE + marked, add_generation_prompt=True)[len(base):]), True
 
     def assistant_turn_ids(self, history: list[dict[str, Any]], message: dict[str, Any]) -> tuple[list[int], bool]:
         """Ids a policy would sample for a given assistant message (content, tool calls, end-of-turn

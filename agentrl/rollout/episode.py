@@ -25,7 +25,7 @@ from agentrl.env.rewards import RewardFn
 from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
-from agentrl.tools.base import Tool
+from agentrl.tools.base import Tool, finite_number
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.types import SamplingParams, Task, Trajectory
 
@@ -78,6 +78,7 @@ class EpisodeRunner:
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
                       lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
         interaction, scores, turns, fallbacks = None, [], 0, 0  # scores: the interaction's, one per reply
+        invalid_scores = 0  # replies whose score was not a finite number: left out of `scores`
         try:  # from here on, whatever fails, the tools' and the interaction's instances are released
             await env.start(uuid.uuid4().hex[:12], task)
             interaction = self.interaction_factory() if self.interaction_factory else None
@@ -109,7 +110,11 @@ class EpisodeRunner:
                     new = await env.run_turn(parsed)
                 elif interaction:
                     reply = await interaction.respond(traj.messages)
-                    scores.append(reply.score)
+                    score = finite_number(reply.score)  # a NaN would poison every advantage of the group
+                    if score is None:
+                        invalid_scores += 1
+                    else:
+                        scores.append(score)
                     if reply.done:
                         traj.finish = "stop"
                         break
@@ -120,7 +125,8 @@ class EpisodeRunner:
                 suffix, fell_back = self.renderer.suffix_ids(traj.token_ids, traj.messages, new)
                 fallbacks += fell_back and exact  # history re-renders differently; counted once per turn
                 if len(traj.token_ids) + len(suffix) >= s.max_context_tokens:
-                    traj.finish = "length"
+                    # After the last allowed turn nothing more would be generated: the turns ran out.
+                    traj.finish = "max_turns" if turns >= s.max_turns else "length"
                     break
                 traj.messages.extend(new)
                 traj.append(suffix, trainable=False)
@@ -130,7 +136,8 @@ class EpisodeRunner:
             tool_final = await env.finish()
             if interaction:
                 await interaction.finish()
-        traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks))
+        traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks),
+                            interaction_invalid_scores=float(invalid_scores))
         self._reward(task, traj, env.step_rewards, tool_final, scores)
 
     def _reward(self, task: Task, traj: Trajectory, step_rewards: list[float], tool_final: float,

@@ -5,10 +5,11 @@ An agent function is `async def agent(ctx: AgentContext, task: Task) -> None`. I
 policy only through the endpoint: `ctx.base_url` plus the session header `ctx.headers`, or
 `ctx.openai_client()`, which sets both on an `openai.AsyncOpenAI`; any framework built on an
 OpenAI client works. `ctx.tools` are the recipe's tool schemas (OpenAI form) and
-`await ctx.run_tools(message.tool_calls)` runs the recipe's tools with the builtin loop's checks,
-timeouts, truncation and metrics, answering with OpenAI tool messages; an agent may run tools of
-its own instead. Its return value is not used: the reward function sees the recorded messages,
-which end with the model's last reply.
+`await ctx.run_tools(message.tool_calls, message.content)` runs the recipe's tools with the builtin
+loop's checks, timeouts, truncation and metrics, answering with OpenAI tool messages, and answers
+each malformed call block the endpoint left in the reply's text as the builtin loop does (no
+answers: the model called nothing); an agent may run tools of its own instead. Its return value is
+not used: the reward function sees the recorded messages, which end with the model's last reply.
 
 AgentRunner has EpisodeRunner's interface (`await run(task, group_id) -> Trajectory`, `.engine`,
 `.renderer`), so collect.py and the training driver use it unchanged. It starts the endpoint once,
@@ -22,7 +23,7 @@ other exception, or when the agent made no request with its session. An episode 
 its first turn (a prompt longer than `rollout.max_context_tokens`) records what the builtin loop
 records for it: the task's prompt, rendered, nothing trainable, finish `length`.
 
-This module does not sample, parse or record (service.py and sessions.py do).
+This module does not sample, interpret turns or record (service.py and sessions.py do).
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ class AgentContext:
     """What an agent function gets besides its task: where the policy is and the episode's tools."""
 
     def __init__(self, base_url: str, session_id: str, model: str, tools: list[Tool], system_prompt: str | None,
-                 env: ToolEnv):
+                 env: ToolEnv, parser: Callable[[str], ParsedTurn]):
         self.base_url = base_url  # http://127.0.0.1:PORT/v1
         self.session_id = session_id
         self.model = model
         self.tools = [t.schema for t in tools]
         self.system_prompt = system_prompt  # rollout.system_prompt: task.messages(ctx.system_prompt)
         self._env = env
+        self._parser = parser
 
     @property
     def headers(self) -> dict[str, str]:
@@ -79,11 +81,13 @@ class AgentContext:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=kwargs.pop("api_key", "agentrl"),
                                   default_headers=headers, **kwargs)
 
-    async def run_tools(self, tool_calls: list[Any]) -> list[dict[str, Any]]:
+    async def run_tools(self, tool_calls: list[Any] | None, content: str | None = None) -> list[dict[str, Any]]:
         """Tool messages (`role: tool`, `tool_call_id`, `content`) answering OpenAI tool calls
-        (objects of the openai client or dicts), in order, through the recipe's tools."""
+        (objects of the openai client or dicts), in order, through the recipe's tools; then, given
+        the reply's `content`, one `Error: ...` message (named `parse_error`, no call id) per
+        malformed call block in it, as the builtin loop tells the model its call was broken."""
         calls, errors, call_ids, error_ids = [], [], [], []
-        for call in tool_calls:
+        for call in tool_calls or []:
             call = call if isinstance(call, dict) else call.model_dump()
             fn, arguments = call["function"], call["function"].get("arguments") or "{}"
             try:
@@ -97,9 +101,13 @@ class AgentContext:
                 errors.append(arguments if isinstance(arguments, str) else f"the arguments of '{fn['name']}' "
                               "must be a JSON object")
                 error_ids.append(call.get("id"))
-        answers = await self._env.run_turn(ParsedTurn(calls=calls, errors=errors))
+        malformed = self._parser(content).errors if content else []
+        answers = await self._env.run_turn(ParsedTurn(calls=calls, errors=errors + malformed))
+        self._env.metrics["parse_errors"] -= len(malformed)  # the endpoint counted them when it sampled them
+        answered = len(call_ids + error_ids)
         return [{"role": "tool", "tool_call_id": call_id, "content": m["content"]}
-                for call_id, m in zip(call_ids + error_ids, answers)]
+                for call_id, m in zip(call_ids + error_ids, answers)] + \
+            [{"role": "tool", "name": "parse_error", "content": m["content"]} for m in answers[answered:]]
 
 
 def load_agent(config: RecipeConfig) -> AgentFn:
@@ -166,11 +174,11 @@ class AgentRunner:
         s, server, session_id = self.settings, self.server, uuid.uuid4().hex
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
                       lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
-        await env.start(session_id, task)
         ctx = AgentContext(server.base_url, session_id, self.service.settings.model_name, self.tools,
-                           s.system_prompt, env)
+                           s.system_prompt, env, self.service.parser)
         failure: Exception | None = None
-        try:
+        try:  # from here on, whatever happens (a cancellation while the tools start too), they are released
+            await env.start(session_id, task)
             await self.agent(ctx, task)
         except Exception as e:  # a refusal at a limit ends the episode; anything else fails it (below)
             failure = e

@@ -2,10 +2,12 @@
 turn from a request's messages into the dicts a chat template renders.
 
 Only what a token-exact policy server can honour is accepted: one choice, no streaming, no stop
-strings, no penalties, no forced tool choice, no top alternatives in `logprobs`. Such options are
-refused with a message naming them rather than ignored, because ignoring them would hand a client
-something other than what it asked for. Fields this endpoint does not know are ignored: clients
-send many optional ones (`seed`, `metadata`, `parallel_tool_calls`, a message's `refusal`, ...).
+strings, no penalties or token biases, no forced tool choice, no structured output, no top
+alternatives in `logprobs`. Such options are refused with a message naming them rather than
+ignored, because ignoring them would hand a client something other than what it asked for; their
+neutral values (null, zero, `logit_bias: {}`, `response_format: {"type": "text"}`) are accepted.
+Fields this endpoint does not know are ignored: clients send many optional ones (`seed`,
+`metadata`, `parallel_tool_calls`, a message's `refusal`, ...).
 
 This module does not sample, keep sessions or speak HTTP.
 """
@@ -98,6 +100,8 @@ class ChatRequest(_Strict):
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id → bias
+    response_format: dict[str, Any] | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -114,6 +118,9 @@ class ChatRequest(_Strict):
             (bool(self.top_logprobs), "top_logprobs: only the sampled token's logprob is available"),
             (bool(self.frequency_penalty) or bool(self.presence_penalty),
              "frequency_penalty/presence_penalty: penalties are not supported"),
+            (any((self.logit_bias or {}).values()), "logit_bias: token biases are not supported"),
+            (self.response_format not in (None, {"type": "text"}),
+             'response_format: only {"type": "text"} is supported; structured output is not'),
             (self.tool_choice not in (None, "auto"), "tool_choice: only 'auto' is supported"),
         ]
         for problem, message in refused:

@@ -2,8 +2,13 @@
 
 The request's messages are rendered with the recipe's chat template and the request's own tool
 schemas; the sampled turn is parsed with the recipe's parser into `content` (the text outside the
-call blocks) and `tool_calls` (OpenAI form, arguments as a JSON string). With a session id the turn
-is planned and recorded in sessions.py; without one it is served and forgotten.
+call blocks that parsed: a malformed block stays in it, so a client sees it and can answer it as the
+builtin loop does) and `tool_calls` (OpenAI form, arguments as a JSON string). With a session id the
+turn is planned and recorded in sessions.py; without one it is served and forgotten.
+
+`logprobs` carries each sampled token's text and its own bytes: a token holding part of a UTF-8
+character decodes to U+FFFD (as OpenAI's do), and its bytes are that part, so the bytes of
+consecutive tokens join into the reply's UTF-8.
 
 Sampling: the client's `temperature`, `top_p` and `max_tokens` apply, the recipe's values are the
 defaults. With `fixed_sampling` (agent episodes for training) the recipe's temperature and top-p
@@ -20,6 +25,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Iterator
 
 import jinja2
@@ -158,8 +164,39 @@ class ChatService:
                 "model": self.settings.model_name, "choices": [choice],
                 "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}}
 
-    @staticmethod
-    def _logprobs(renderer: ChatRenderer, completion: Completion) -> dict[str, Any]:
+    def _logprobs(self, renderer: ChatRenderer, completion: Completion) -> dict[str, Any]:
         tokens = [renderer.decode([i]) for i in completion.token_ids]
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(tokens, completion.logprobs)]}
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(self._token_bytes(i, t)), "top_logprobs": []}
+                            for i, t, lp in zip(completion.token_ids, tokens, completion.logprobs)]}
+
+    @cached_property
+    def _token_bytes(self) -> TokenBytes:
+        return TokenBytes(self.tokenizer)  # reads the whole vocabulary once, at the first `logprobs` request
+
+
+class TokenBytes:
+    """A token's own bytes: its spelling in a byte-level BPE vocabulary read back with GPT-2's
+    alphabet; for an added token (`<|im_end|>`), or in a vocabulary not spelled in that alphabet
+    (SentencePiece's `▁` is not in it), the UTF-8 of the token's decoded text."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+        alphabet = byte_level_alphabet()
+        spelled = "".join(piece for piece, i in tokenizer.get_vocab().items() if i not in self.added)
+        self.alphabet = alphabet if spelled and set(spelled) <= alphabet.keys() else None
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        if self.alphabet is None or token_id in self.added:
+            return text.encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)  # None past the vocabulary
+        return bytes(self.alphabet[c] for c in piece) if piece else text.encode()
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's map from the characters byte-level BPE vocabularies are spelled in to the bytes
+    they stand for: printable bytes stand for themselves, the other 68 (space, control bytes, ...)
+    for chr(256), chr(257), ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}

@@ -21,21 +21,15 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pydantic
-import referencing
-import referencing.exceptions
-import referencing.jsonschema
 
 from agentrl.errors import ConfigError
 from agentrl.yaml_files import load_yaml
 from agentrl.tools.base import FunctionTool, Tool, ToolSet
+from agentrl.tools.schema import check_schema
 
 ENTRY_POINT_GROUP = "agentrl.tools"
 ENTRY_KEYS = {"class", "config", "schema"}
-SCHEMA_KEYS = {"type", "function"}
-FUNCTION_KEYS = {"name", "description", "parameters", "strict"}  # OpenAI's function object
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SECRET_RE = re.compile(r"token|secret|password|api_key", re.IGNORECASE)
 
 
@@ -76,67 +70,22 @@ def read_yaml_list(path: str | Path, key: str) -> list[Any]:
     return data[key]
 
 
-def check_schema(schema: Any) -> str | None:
-    """Why `schema` is not a valid OpenAI function schema, or None if it is."""
-    if not isinstance(schema, dict) or schema.get("type") != "function":
-        return "schema must be a mapping with type: function"
-    problem, fn = _unknown_key(schema, SCHEMA_KEYS, "schema"), schema.get("function")
-    if problem or not isinstance(fn, dict):
-        return problem or "schema.function must be a mapping with name, description and parameters"
-    problem = _unknown_key(fn, FUNCTION_KEYS, "schema.function")
-    if problem:
-        return problem
-    if not isinstance(fn.get("name"), str):
-        return "schema.function.name is missing"
-    if not _NAME_RE.match(fn["name"]):
-        return f"schema.function.name '{fn['name']}' must match {_NAME_RE.pattern}"
-    params = fn.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(params, dict) or params.get("type") != "object":
-        return "schema.function.parameters must be a JSON Schema with type: object"
-    try:
-        jsonschema.validators.validator_for(params).check_schema(params)
-    except jsonschema.SchemaError as e:
-        return f"schema.function.parameters is not valid JSON Schema ({e.message})"
-    except TypeError as e:  # a `$schema` that is a list or a mapping
-        return f"schema.function.parameters is not valid JSON Schema ({e})"
-    dangling = _dangling_ref(params)
-    if dangling:
-        return f"schema.function.parameters: $ref '{dangling}' does not point to a place inside the schema"
-    return None
-
-
-def _unknown_key(mapping: dict[str, Any], allowed: set[str], where: str) -> str | None:
-    unknown = sorted(str(k) for k in set(mapping) - allowed)
-    return f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(allowed))})" if unknown else None
-
-
-def _dangling_ref(params: dict[str, Any]) -> str | None:
-    """The first `$ref` that does not resolve within `params` (jsonschema would raise it only when a
-    call reaches it, and would fetch a URL over the network)."""
-    root = referencing.Resource.from_contents(params, default_specification=referencing.jsonschema.DRAFT202012)
-    pending = [(root, referencing.Registry().with_resource("", root).resolver(base_uri=""))]
-    while pending:
-        resource, resolver = pending.pop()
-        ref = resource.contents.get("$ref") if isinstance(resource.contents, dict) else None
-        if isinstance(ref, str):
-            try:
-                resolver.lookup(ref)
-            except referencing.exceptions.Unresolvable:
-                return ref
-        pending.extend((sub, resolver.in_subresource(sub)) for sub in reversed(list(resource.subresources())))
-    return None
-
-
 def build_tools(entry: Any) -> list[Tool]:
     """One YAML entry → its Tool, or the tools a ToolSet entry expands into. Raises ValueError."""
     instance = _instantiate(entry)
     if isinstance(instance, ToolSet) and not hasattr(instance, "execute"):
         if "schema" in entry:
             raise ValueError("key 'schema' is for a single tool; this entry takes its tools' schemas from its source")
-        members = list(instance.tools())
+        try:
+            members = list(instance.tools())
+        except Exception as e:  # a server that refuses to list its tools: name it, no traceback
+            raise ValueError(f"listing its tools failed: {type(e).__name__}: {e}") from None
     else:
         if "schema" in entry and not isinstance(instance, FunctionTool):
-            instance.schema = entry["schema"]
+            try:
+                instance.schema = entry["schema"]
+            except AttributeError as e:  # the class computes its schema (a property without setter)
+                raise ValueError(f"key 'schema': the class does not take a schema ({e})") from None
         members = [instance]
     for member in members:
         _check_tool(member, entry["class"])
@@ -149,21 +98,23 @@ def _instantiate(entry: Any) -> Any:
     unknown = sorted(set(entry) - ENTRY_KEYS)
     if unknown:
         raise ValueError(f"unknown key '{unknown[0]}' (allowed: {', '.join(sorted(ENTRY_KEYS))})")
-    if not isinstance(entry.get("class"), str):
-        raise ValueError("missing key 'class' ('module:attr' or a registered tool name)")
-    config = entry.get("config") or {}
-    if not isinstance(config, dict):
-        raise ValueError("key 'config' must be a mapping")
+    problem = class_problem(entry)
+    if problem:
+        raise ValueError(problem)
+    config = entry.get("config", {})
+    if not isinstance(config, dict | None):
+        raise ValueError(f"key 'config' must be a mapping, not {type(config).__name__}")
+    config = config or {}
     problem = check_schema(entry["schema"]) if "schema" in entry else None
     if problem:  # before the class is built: constructors may start servers or connect to them
         raise ValueError(problem)
     obj = resolve_reference(entry["class"])
     if inspect.isclass(obj):
-        config = _typed_config(obj, config)
+        config = typed_config(obj, config)
         try:
             return obj(**config)
         except Exception as e:
-            raise ValueError(f"constructing {entry['class']} with config {_masked(config)} failed: {e}") from None
+            raise ValueError(f"constructing {entry['class']} with config {masked(config)} failed: {e}") from None
     if isinstance(obj, FunctionTool) or callable(obj):
         if config:
             raise ValueError("key 'config' is only for tool classes, not functions")
@@ -172,7 +123,7 @@ def _instantiate(entry: Any) -> Any:
     raise ValueError(f"'{entry['class']}' is not a tool class or function")
 
 
-def _typed_config(cls: type, config: dict[str, Any]) -> dict[str, Any]:
+def typed_config(cls: type, config: dict[str, Any]) -> dict[str, Any]:
     """`config` checked against the constructor's parameters and type hints, each value converted
     as pydantic converts it: YAML reads `1e-6` as text, which a `float` parameter takes as 1e-06."""
     try:
@@ -196,12 +147,32 @@ def _typed_config(cls: type, config: dict[str, Any]) -> dict[str, Any]:
         except pydantic.ValidationError as e:
             annotation = named[key].annotation
             expected = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
-            raise ValueError(f"config.{key} = {_masked({key: value})[key]!r}: expected {expected} "
+            raise ValueError(f"config.{key} = {masked({key: value})[key]!r}: expected {expected} "
                              f"({e.errors()[0]['msg']})") from None
     return typed
 
 
-def _masked(config: dict[str, Any]) -> dict[str, Any]:
+def class_problem(entry: dict[str, Any]) -> str | None:
+    """Why an entry's `class` key is unusable, or None."""
+    if "class" not in entry:
+        return "missing key 'class' ('module:attr' or a registered name)"
+    if not isinstance(entry["class"], str):
+        return f"key 'class' must be text ('module:attr' or a registered name), not {entry['class']!r}"
+    return None
+
+
+def async_problem(instance: Any, methods: tuple[str, ...]) -> str | None:
+    """Which of `methods` is missing or is not `async def` (the loop awaits each call), or None."""
+    missing = [m for m in methods if not callable(getattr(instance, m, None))]
+    if missing:
+        return f"lacks the method(s) {', '.join(missing)}"
+    plain = [m for m in methods if not inspect.iscoroutinefunction(inspect.unwrap(getattr(instance, m)))]
+    if plain:
+        return f"method(s) {', '.join(plain)} must be 'async def'"
+    return None
+
+
+def masked(config: dict[str, Any]) -> dict[str, Any]:
     """The config as an error message may show it: secrets (a server's token) replaced by '***'."""
     return {k: "***" if _SECRET_RE.search(str(k)) and k != "token_env" else v for k, v in config.items()}
 
@@ -212,9 +183,9 @@ def _check_tool(instance: Any, ref: str) -> None:
     problem = check_schema(instance.schema)
     if problem:
         raise ValueError(problem)
-    missing = [m for m in ("create", "execute", "reward", "release") if not hasattr(instance, m)]
-    if missing:
-        raise ValueError(f"'{ref}' lacks the tool method(s) {', '.join(missing)}")
+    problem = async_problem(instance, ("create", "execute", "reward", "release"))
+    if problem:  # blocking code belongs in a plain function, which runs on a thread
+        raise ValueError(f"'{ref}' {problem}{' (or write the tool as a plain function)' if 'async' in problem else ''}")
 
 
 def _function_tool(fn: Any, schema: Any) -> FunctionTool:
@@ -236,6 +207,8 @@ def load_tools(path: str | Path) -> list[Tool]:
             built = build_tools(entry)
         except ValueError as e:
             raise ConfigError(f"{path}: {label}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a plug-in failing in a way no check foresaw
+            raise ConfigError(f"{path}: {label}: {type(e).__name__}: {e}") from None
         for t in built:
             name = t.schema["function"]["name"]
             if name in seen:

@@ -8,7 +8,6 @@ unknown tools; here every malformed call becomes an error the model is told abou
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -18,39 +17,74 @@ from agentrl.types import ToolCall
 @dataclass
 class ParsedTurn:
     """The calls found in one assistant turn, in order, one message per malformed call, and the
-    text outside the call blocks (what templates that render `tool_calls` themselves put in
-    `content`)."""
+    text outside the blocks that parsed into calls (what templates that render `tool_calls`
+    themselves put in `content`; a malformed block stays in it, as the model wrote it)."""
 
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     content: str = ""
 
 
-_HERMES_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 def parse_hermes(text: str) -> ParsedTurn:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them."""
-    turn = ParsedTurn()
-    for match in _HERMES_RE.finditer(text):
-        call, error = _call_from_json(match.group(1).strip())
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them.
+
+    A block ends where its JSON object ends, if `</tool_call>` follows it, so arguments that
+    contain the closing tag themselves (code that prints it) are read whole; otherwise at the next
+    `</tool_call>`. A block with no closing tag before the next `<tool_call>` (or the end) is an
+    error of its own, and the calls after it are still read."""
+    turn, pieces, cursor = ParsedTurn(), [], 0
+    while (start := text.find(OPEN, cursor)) >= 0:
+        body_at = start + len(OPEN)
+        end, body = _block_end(text, body_at)
+        if end is None:  # never closed: left in the content, as the model wrote it
+            turn.errors.append(f"a {OPEN} was opened but never closed with {CLOSE}")
+            pieces.append(text[cursor:body])
+            cursor = body
+            continue
+        call, error = _call_from_json(text[body_at:body].strip())
         if call is not None:
             turn.calls.append(call)
+            pieces.append(text[cursor:start])
         else:
             turn.errors.append(error)
-    tail = _HERMES_RE.sub("", text)
-    turn.content = tail.strip()
-    if "<tool_call>" in tail:
-        turn.errors.append("a <tool_call> was opened but never closed with </tool_call>")
+            pieces.append(text[cursor:end])
+        cursor = end
+    turn.content = ("".join(pieces) + text[cursor:]).strip()
     return turn
+
+
+def _block_end(text: str, body_at: int) -> tuple[int | None, int]:
+    """(where the block ends, where its body ends), or (None, where the next block opens)."""
+    at = len(text) - len(text[body_at:].lstrip())
+    try:
+        _, json_end = _DECODER.raw_decode(text, at)
+        after = len(text) - len(text[json_end:].lstrip())
+        if text.startswith(CLOSE, after):
+            return after + len(CLOSE), json_end
+    except (ValueError, RecursionError):
+        pass
+    close, reopen = text.find(CLOSE, body_at), text.find(OPEN, body_at)
+    if close >= 0 and (reopen < 0 or close < reopen):
+        return close + len(CLOSE), close
+    return None, reopen if reopen >= 0 else len(text)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_not_json)  # NaN and Infinity: Python reads them, JSON has none
 
 
 def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
     try:
-        data: Any = json.loads(body)
+        data: Any = _DECODER.decode(body)
     except json.JSONDecodeError as e:
         return None, f"the tool call is not valid JSON ({e.msg} at position {e.pos}): {body[:200]}"
-    except (ValueError, RecursionError) as e:  # an integer of 5000 digits, arrays nested 1000 deep
+    except (ValueError, RecursionError) as e:  # an integer of 5000 digits, arrays nested 1000 deep, NaN
         return None, f"the tool call is not valid JSON ({_json_limit(e)}): {body[:200]}"
     if not isinstance(data, dict):
         return None, "the tool call must be a JSON object with 'name' and 'arguments'"
@@ -60,9 +94,11 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):  # some models emit arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = _DECODER.decode(arguments)
         except (ValueError, RecursionError):
             return None, f"the arguments of '{name}' are a string that is not a JSON object"
+    if arguments is None:  # a call of a tool without parameters, as some models write it
+        arguments = {}
     if not isinstance(arguments, dict):
         return None, f"the arguments of '{name}' must be a JSON object"
     return ToolCall(name=name, arguments=arguments), ""

@@ -12,9 +12,8 @@ API (JSON): `GET /tools` → `{"tools": [schema, ...]}`; `POST /instances {"tool
 "instance_id"}` → `{"instance_id", "error"}`; `POST /instances/{id}/execute {"arguments"}` →
 `{"text", "reward", "metrics", "error"}`; `POST /instances/{id}/reward` → `{"reward", "error"}`;
 `DELETE /instances/{id}` → `{"error"}`; `GET /stats`; `GET /health`. Clients name their instances
-(or the server does): a create is safe to resend, and one given up on is still released.
-
-Not a sandbox: tools run in this process with its rights (the `python` tool brings its own).
+(or the server does): a create is safe to resend, and one given up on is still released. Not a
+sandbox: tools run in this process with its rights (the `python` tool brings its own).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.tools.base import Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
+from agentrl.tools.threads import call_plugin, failure_text
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class OpStats:
 @dataclass
 class Live:
     tool: str
+    tool_id: str  # the id the tool's create returned, which its other methods take; clients use theirs
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -94,12 +95,12 @@ class ToolHost:
         """Run one tool method under the gate and the timeout; (value, None) or (None, error)."""
         async with self.gate:
             started = time.perf_counter()
-            try:
-                value, error = await asyncio.wait_for(start(), self.settings.call_timeout_s), None
+            try:  # call_plugin: a tool's sys.exit() fails its call, not the server
+                value, error = await call_plugin(start(), self.settings.call_timeout_s), None
             except asyncio.TimeoutError:
                 value, error = None, f"TimeoutError: {name} did not finish within {self.settings.call_timeout_s:g} s"
             except Exception as e:
-                value, error = None, f"{type(e).__name__}: {e}"
+                value, error = None, failure_text(e)
             elapsed = time.perf_counter() - started
         stats = self.stats[name][op]
         stats.calls, stats.errors = stats.calls + 1, stats.errors + (error is not None)
@@ -121,14 +122,15 @@ class ToolHost:
                 await self.expire()
             if len(self.instances) + len(self.creating) > self.settings.max_instances:
                 raise HTTPException(429, f"{self.settings.max_instances} instances are live; release some first")
-            _, error = await self.call(tool, "create", lambda: self.tools[tool].create(instance_id, **kwargs))
+            made, error = await self.call(tool, "create", lambda: self.tools[tool].create(instance_id, **kwargs))
         finally:
             released = self.creating.pop(instance_id)
+        tool_id = made if isinstance(made, str) and made else instance_id
         if error is None and released:
-            await self.call(tool, "release", lambda: self.tools[tool].release(instance_id))
+            await self.call(tool, "release", lambda: self.tools[tool].release(tool_id))
             error = "released while it was being created"
         elif error is None:
-            self.instances[instance_id] = Live(tool)
+            self.instances[instance_id] = Live(tool, tool_id)
         return instance_id, error
 
     def instance(self, instance_id: str) -> Live:
@@ -144,7 +146,7 @@ class ToolHost:
         for instance_id, live in list(self.instances.items()):
             if live.last_used < cutoff and self.instances.pop(instance_id, None) is not None:
                 self.expired += 1
-                await self.call(live.tool, "release", lambda: self.tools[live.tool].release(instance_id))
+                await self.call(live.tool, "release", lambda: self.tools[live.tool].release(live.tool_id))
 
     async def sweep_forever(self) -> None:
         while True:
@@ -203,14 +205,10 @@ def create_app(tools: list[Tool], settings: ServerSettings) -> FastAPI:
     app.add_middleware(Guard, host=host)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(Exception, _internal_error)
-    _routes(app, host, Depends(authorized))
+    _info_routes(app, host, Depends(authorized))
+    _instance_routes(app, host, Depends(authorized))
     app.state.host = host
     return app
-
-
-def _routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
-    _info_routes(app, host, auth)
-    _instance_routes(app, host, auth)
 
 
 def _info_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
@@ -246,7 +244,7 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         problem = argument_problem(host.tools[name], body.arguments)
         if problem:
             raise HTTPException(422, problem)
-        result, error = await host.call(name, "execute", lambda: host.tools[name].execute(instance_id, body.arguments))
+        result, error = await host.call(name, "execute", lambda: host.tools[name].execute(live.tool_id, body.arguments))
         live.last_used = time.monotonic()  # a long call does not count as idle time
         if error is not None:
             return {"text": "", "reward": None, "metrics": {}, "error": error}
@@ -254,14 +252,15 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
             result = ToolResult(as_text(result))
         text = as_text(result.text)  # also escapes lone surrogates, which JSON cannot carry
         # Only finite numbers cross the wire (JSON has no NaN); the client's ToolEnv counts the rest.
-        metrics = {str(k): n for k, v in (result.metrics or {}).items() if (n := finite_number(v)) is not None}
+        given = result.metrics.items() if isinstance(result.metrics, dict) else ()
+        metrics = {str(k): n for k, v in given if (n := finite_number(v)) is not None}
         reward = finite_number(result.reward)
         return {"text": text, "reward": reward, "metrics": metrics, "error": None}
 
     @app.post("/instances/{instance_id}/reward", dependencies=[auth])
     async def reward(instance_id: str) -> dict[str, Any]:
-        name = host.instance(instance_id).tool
-        value, error = await host.call(name, "reward", lambda: host.tools[name].reward(instance_id))
+        live = host.instance(instance_id)
+        value, error = await host.call(live.tool, "reward", lambda: host.tools[live.tool].reward(live.tool_id))
         return {"reward": finite_number(value), "error": error}
 
     @app.delete("/instances/{instance_id}", dependencies=[auth])
@@ -269,9 +268,8 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         if instance_id in host.creating:  # its create releases it once the tool has made it
             host.creating[instance_id] = True
             return {"error": None}
-        name = host.instance(instance_id).tool
-        host.instances.pop(instance_id, None)
-        _, error = await host.call(name, "release", lambda: host.tools[name].release(instance_id))
+        live = host.instances.pop(instance_id, None) or host.instance(instance_id)  # 404 if unknown
+        _, error = await host.call(live.tool, "release", lambda: host.tools[live.tool].release(live.tool_id))
         return {"error": error}
 
 
@@ -283,7 +281,9 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    # The traceback goes to the server's log (uvicorn prints it), never to the client.
+    # The traceback goes to the server's log (uvicorn prints it), never to the client. Starlette
+    # answers this outside the Guard middleware, so the 500 is counted here.
+    request.app.state.host.responses[500] += 1
     return JSONResponse({"detail": f"internal server error ({type(exc).__name__})"}, status_code=500)
 
 

@@ -12,6 +12,12 @@ until the function really returns (so a tool that hangs cannot start an unbounde
 threads), nobody waits for it, and the process exits without joining it. A call cancelled before
 it started never runs and is dropped from the queue. This module does not kill threads (Python
 cannot); code that must be stopped runs in a subprocess (the `python` tool does).
+
+`call_plugin` is the same rule for a plug-in's coroutines. `asyncio.wait_for` cancels a call that
+ran out of time and then waits for it to end, without a limit: a tool that swallows cancellation
+(a retry loop under a bare `except:`) would hold its episode, and the whole step, forever. And what a
+plug-in raises outside `Exception` (`SystemExit` from an argparse or click wrapper, a
+`CancelledError` of its own) would end the rollout, or the tool server, instead of the one call.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 _names = itertools.count(1)
+GRACE_S = 1.0  # how long a cancelled plug-in coroutine may take to end before it is abandoned
+_abandoned: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 _Work = tuple[concurrent.futures.Future, Callable[[], Any]]
 
 
@@ -94,10 +102,77 @@ class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
 
 def run_with_daemon_threads(coro: Coroutine[Any, Any, T], max_workers: int = 32) -> T:
     """`asyncio.run(coro)` with a DaemonExecutor as the loop's default executor, so that blocking
-    code a plug-in hands to `asyncio.to_thread` cannot keep the loop (or the process) from ending."""
+    code a plug-in hands to `asyncio.to_thread` cannot keep the loop (or the process) from ending;
+    and at the end, like `asyncio.run`, every task left is cancelled and awaited, except plug-in
+    calls `call_plugin` already abandoned (asyncio.run would wait for those forever)."""
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        loop.set_default_executor(DaemonExecutor(max_workers, name="agentrl-default"))
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            awaited = [task for task in left if task not in _abandoned]
+            if awaited:
+                loop.run_until_complete(asyncio.gather(*awaited, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
 
-    async def main() -> T:
-        asyncio.get_running_loop().set_default_executor(DaemonExecutor(max_workers, name="agentrl-default"))
+
+class PluginError(Exception):
+    """What a plug-in raised outside `Exception` (`SystemExit`, its own `CancelledError`), as an
+    ordinary failure of the one call."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def failure_text(error: BaseException) -> str:
+    """`Type: message` of a plug-in's exception, the original type for a PluginError."""
+    error = error.error if isinstance(error, PluginError) else error
+    try:
+        detail = str(error)
+    except Exception:  # noqa: BLE001 - a plug-in's exception may fail to print
+        detail = "<unprintable>"
+    return f"{type(error).__name__}{': ' + detail if detail else ''}"
+
+
+async def call_plugin(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
+    """Await a plug-in's coroutine for at most `timeout_s`: TimeoutError when it runs over, even if
+    it ignores its cancellation (it gets GRACE_S to end, then is abandoned); PluginError for what
+    it raises outside `Exception`. Cancelling the caller cancels the call (with the same grace)."""
+    task = asyncio.ensure_future(_contained(coro))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        await _stop(task)
+        raise
+    if not done:
+        await _stop(task)
+        raise asyncio.TimeoutError
+    if task.cancelled():  # the plug-in raised CancelledError itself: nobody cancelled it
+        raise PluginError(asyncio.CancelledError())
+    return task.result()
+
+
+async def _contained(coro: Coroutine[Any, Any, T]) -> T:
+    try:
         return await coro
+    except SystemExit as e:  # a Task would re-raise it out of the event loop, ending the process
+        raise PluginError(e) from e
 
-    return asyncio.run(main())
+
+async def _stop(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.wait({task}, timeout=GRACE_S)
+    if not task.done():
+        _abandoned.add(task)
+        task.add_done_callback(_abandoned.discard)
+    # Nobody awaits the task any more: take its outcome so asyncio does not log it as lost.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -35,6 +35,8 @@ def evaluate(expression: str) -> int | float:
 
 def _eval(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if not abs(node.value) <= MAX_MAGNITUDE:  # also NaN; `1e999` reads as inf
+            raise ValueError(f"a number is out of range (larger than {MAX_MAGNITUDE:g})")
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
@@ -48,7 +50,7 @@ def _eval(node: ast.AST) -> int | float:
             raise ValueError("division by zero") from None
         except OverflowError:  # float arithmetic past 1.8e308, e.g. 1e99 ** 4
             raise ValueError("result out of range") from None
-        if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
+        if isinstance(value, complex) or not abs(value) <= MAX_MAGNITUDE:
             raise ValueError("result out of range")
         return value
     raise ValueError(f"'{ast.unparse(node)}' is not allowed; use numbers, + - * / // % ** and ()")

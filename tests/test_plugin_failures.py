@@ -1,0 +1,291 @@
+"""Plug-ins that misbehave past what an `except Exception` catches: a `sys.exit()`, a
+`CancelledError` of their own, a timeout they swallow, state they leave behind, arguments they edit
+in place, metrics named like the loop's counters. Each fails its own call only; the run, the other
+episodes and the tool server go on, and every instance is released."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+from fastapi.testclient import TestClient
+
+from agentrl.env.tool_env import ToolEnv, ToolLimits
+from agentrl.rollout.collect import run_episodes
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.tools.base import ToolResult, tool
+from agentrl.tools.parsers import ParsedTurn, parse_hermes
+from agentrl.tools.server import ServerSettings, create_app
+from agentrl.tools.threads import run_with_daemon_threads
+from agentrl.types import Task, ToolCall
+from tests.conftest import ScriptedEngine
+from tests.served_tools import OwnIds
+from tests.test_tool_server import TOKEN, api, start_server, stop
+
+FINAL = "The answer is 42."
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@tool
+def argparse_like(value: str) -> str:
+    """Exits on bad input, as a command-line program wrapped as a tool does.
+
+    Args:
+        value: Anything.
+    """
+    raise SystemExit(f"bad input {value}")
+
+
+@tool
+async def async_exit(value: str) -> str:
+    """Exits from a coroutine.
+
+    Args:
+        value: Anything.
+    """
+    raise SystemExit(3)
+
+
+def test_a_tool_calling_sys_exit_fails_its_call_and_the_run_goes_on(tokenizer):
+    tools = [argparse_like, async_exit]
+    engine = ScriptedEngine(tokenizer, [call("argparse_like", value="v") + call("async_exit", value="w"), FINAL])
+    runner = EpisodeRunner(engine, tokenizer, tools, parse_hermes, EpisodeSettings())
+    [traj] = run_episodes(runner, [Task(id="t", prompt="Go.")], group_size=1, max_concurrent=1)
+    assert traj.finish == "stop" and traj.messages[-1]["content"] == FINAL
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error: argparse_like failed: SystemExit: bad input v", "Error: async_exit failed: SystemExit: 3"]
+    assert traj.metrics["tool_errors"] == 2
+
+
+class Lifecycle:
+    """A tool whose lifecycle methods can raise, hang, or ignore cancellation, and which logs every
+    call to them."""
+
+    def __init__(self, log: list[str], name: str, create=None, reward=None, release=None, execute=None):
+        self.log, self.name = log, name
+        self.behaviour = {"create": create, "reward": reward, "release": release, "execute": execute}
+        self.schema = {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+    async def _act(self, method: str, instance_id: str):
+        self.log.append(f"{self.name}.{method}")
+        behaviour = self.behaviour[method]
+        if behaviour == "swallow":  # a retry loop under a bare except: cancellation never ends it
+            for _ in range(40):
+                try:
+                    await asyncio.sleep(0.05)
+                except BaseException:  # noqa: BLE001 - the point of this tool
+                    continue
+            self.log.append(f"{self.name}.{method} gave up by itself")
+            return "late"
+        if isinstance(behaviour, BaseException):
+            raise behaviour
+        return None
+
+    async def create(self, instance_id, **kwargs):
+        return await self._act("create", instance_id)
+
+    async def execute(self, instance_id, arguments):
+        return await self._act("execute", instance_id) or "ran"
+
+    async def reward(self, instance_id):
+        await self._act("reward", instance_id)
+        return 0.5
+
+    async def release(self, instance_id):
+        await self._act("release", instance_id)
+
+
+def test_a_cancelled_error_from_reward_or_release_fails_that_step_and_every_instance_is_released():
+    log: list[str] = []
+    tools = [Lifecycle(log, "a", reward=asyncio.CancelledError()), Lifecycle(log, "b", release=asyncio.CancelledError()),
+             Lifecycle(log, "c", create=RuntimeError("no sandbox left"))]
+
+    async def main():
+        env = ToolEnv(tools, ToolLimits(timeout_s=1), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        messages = await env.run_turn(ParsedTurn(calls=[ToolCall("c", {})]))
+        return env, messages, await env.finish()
+
+    env, messages, total = run_with_daemon_threads(main())
+    # c's create failed: it is released all the same (whatever it made is its to free), and the
+    # model is told why it could not be started.
+    assert messages[0]["content"] == "Error: c could not be started for this episode (RuntimeError: no sandbox left)."
+    assert log == ["a.create", "b.create", "c.create", "c.release", "a.reward", "a.release", "b.reward", "b.release"]
+    assert total == 0.5  # b's reward; a's failed
+    assert env.metrics["tool_lifecycle_errors"] == 3  # c's create, a's reward, b's release
+
+
+def test_the_timeout_fires_for_a_tool_that_swallows_its_cancellation():
+    log: list[str] = []
+    tools = [Lifecycle(log, "stubborn", execute="swallow")]
+
+    async def main():
+        env = ToolEnv(tools, ToolLimits(timeout_s=0.2), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        started = time.perf_counter()
+        messages = await env.run_turn(ParsedTurn(calls=[ToolCall("stubborn", {})]))
+        return messages, time.perf_counter() - started
+
+    started = time.perf_counter()
+    messages, turn_s = run_with_daemon_threads(main())
+    whole_s = time.perf_counter() - started
+    assert messages[0]["content"] == "Error: stubborn did not finish within 0.2 s."
+    # 0.2 s, then 1 s of grace for the cancellation, then the call is abandoned; the 2 s loop of
+    # the tool would only end later, and neither the turn nor the end of the run waits for it.
+    assert 1.1 < turn_s < 1.9 and whole_s < 1.9
+    assert "stubborn.execute gave up by itself" not in log
+
+
+def test_a_create_that_times_out_is_released_and_the_reason_reaches_the_model():
+    log: list[str] = []
+
+    async def main():
+        env = ToolEnv([Lifecycle(log, "slow", create="swallow")], ToolLimits(timeout_s=0.1), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        return await env.run_turn(ParsedTurn(calls=[ToolCall("slow", {})]))
+
+    messages = run_with_daemon_threads(main())
+    assert log == ["slow.create", "slow.release"]
+    assert messages[0]["content"] == "Error: slow could not be started for this episode (TimeoutError: no answer within 0.1 s)."
+
+
+@tool
+def normalise(query: str, limit: int = 5) -> str:
+    """Edits its arguments in place, as some plug-ins do.
+
+    Args:
+        query: What to look for.
+        limit: How many.
+    """
+    return "ok"
+
+
+def test_the_recorded_call_keeps_what_the_model_wrote_whatever_the_tool_does_with_its_arguments(tokenizer):
+    class Editing:
+        schema = normalise.schema
+
+        async def create(self, instance_id, **kwargs):
+            return instance_id
+
+        async def execute(self, instance_id, arguments):
+            arguments.clear()
+            arguments["limit"] = 10
+            return ToolResult("ok", metrics={"tool_calls": 7.0, "tool/normalise/errors": 1.0, "hits": 3.0})
+
+        async def reward(self, instance_id):
+            return None
+
+        async def release(self, instance_id):
+            return None
+
+    engine = ScriptedEngine(tokenizer, [call("normalise", query="cats"), FINAL])
+    runner = EpisodeRunner(engine, tokenizer, [Editing()], parse_hermes, EpisodeSettings())
+    traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), "g"))
+    assert traj.messages[1]["tool_calls"][0]["function"]["arguments"] == {"query": "cats"}
+    # A metric named like one of the loop's counters is dropped and counted, not added to it.
+    assert traj.metrics["tool_calls"] == 1 and "tool/normalise/errors" not in traj.metrics
+    assert traj.metrics["tool_invalid_results"] == 2 and traj.metrics["hits"] == 3
+
+
+def test_the_tool_server_survives_a_tool_calling_sys_exit(tmp_path):
+    proc, url = start_server(tmp_path, tools_yaml="tools:\n  - class: tests.served_tools:quit_early\n")
+    try:
+        with api(url) as client:
+            instance = client.post("/instances", json={"tool": "quit_early"}).json()["instance_id"]
+            reply = client.post(f"/instances/{instance}/execute", json={"arguments": {"code": 2}})
+            assert (reply.status_code, reply.json()["error"]) == (200, "SystemExit: 2")
+            assert client.get("/health").status_code == 200 and proc.poll() is None
+            assert client.get("/stats").json()["tools"]["quit_early"]["execute"]["errors"] == 1
+    finally:
+        stop(proc)
+
+
+def test_the_tool_server_hands_a_tool_the_ids_its_create_returned():
+    own = OwnIds()
+    with TestClient(create_app([own], ServerSettings(token=TOKEN)),
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        client_id = "client-0001"
+        created = client.post("/instances", json={"tool": "own_ids", "instance_id": client_id}).json()
+        assert created == {"instance_id": client_id, "error": None}
+        executed = client.post(f"/instances/{client_id}/execute", json={"arguments": {}}).json()
+        # A metrics value that is no mapping is dropped, as the local loop drops it: not a 500.
+        assert executed == {"text": "in session-client-0001 of client-0001", "reward": None, "metrics": {},
+                            "error": None}
+        assert client.post(f"/instances/{client_id}/reward").json() == {"reward": 1.0, "error": None}
+        assert client.delete(f"/instances/{client_id}").json() == {"error": None}
+    assert own.released == ["session-client-0001"] and own.sessions == {}
+
+
+def test_the_tool_server_counts_its_own_500s():
+    class Broken:
+        schema = OwnIds.schema
+
+        async def create(self, instance_id, **kwargs):
+            return instance_id
+
+        async def execute(self, instance_id, arguments):
+            class Unreadable(ToolResult):
+                @property
+                def text(self):
+                    raise RuntimeError("a server-side bug")
+            return Unreadable.__new__(Unreadable)
+
+        async def reward(self, instance_id):
+            return None
+
+        async def release(self, instance_id):
+            return None
+
+    with TestClient(create_app([Broken()], ServerSettings(token=TOKEN)), raise_server_exceptions=False,
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        instance = client.post("/instances", json={"tool": "own_ids"}).json()["instance_id"]
+        reply = client.post(f"/instances/{instance}/execute", json={"arguments": {}})
+        assert (reply.status_code, reply.json()) == (500, {"detail": "internal server error (RuntimeError)"})
+        assert client.get("/stats").json()["responses"] == {"200": 1, "500": 1}
+
+
+def test_an_interaction_score_that_is_not_a_number_is_left_out_and_counted(tokenizer):
+    from agentrl.env.interaction import Turn
+
+    replies = iter([Turn("Try again.", False, math.nan), Turn("Again.", False, None), Turn("Right.", True, 0.25)])
+
+    class Judge:
+        async def start(self, task):
+            return None
+
+        async def respond(self, messages):
+            return next(replies)
+
+        async def finish(self):
+            return None
+
+    engine = ScriptedEngine(tokenizer, ["4", "5", "6"])
+    runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(interaction_scores=True),
+                           interaction_factory=Judge, reward_fn=lambda task, messages: 1.0)
+    traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), "g"))
+    assert traj.finish == "stop" and traj.reward == 1.25
+    assert traj.metrics["interaction_invalid_scores"] == 2 and traj.metrics["interaction_score"] == 0.25
+
+
+def test_an_episode_out_of_turns_is_max_turns_even_when_the_last_tool_output_would_not_fit(tokenizer):
+    @tool
+    def wordy(n: int) -> str:
+        """Returns many words.
+
+        Args:
+            n: How many.
+        """
+        return "word " * n
+
+    for context, finish, appended in ((400, "max_turns", False), (4000, "max_turns", True), (150, "length", False)):
+        engine = ScriptedEngine(tokenizer, [call("wordy", n=200), FINAL])
+        settings = EpisodeSettings(max_turns=1 if context != 150 else 2, max_context_tokens=context,
+                                   max_tool_output_tokens=256)
+        traj = asyncio.run(EpisodeRunner(engine, tokenizer, [wordy], parse_hermes, settings).run(
+            Task(id="t", prompt="Go."), "g"))
+        assert (traj.finish, traj.messages[-1]["role"] == "tool") == (finish, appended), context

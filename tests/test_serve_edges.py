@@ -1,0 +1,173 @@
+"""The endpoint's edges: malformed calls beside valid ones, tokens that hold part of a character,
+options it cannot honour, and an episode cancelled while its tools start.
+
+As in test_serve.py, everything is real (tokenizer, template, parser, tools, uvicorn on
+127.0.0.1, the openai client) except the policy's sampling where a test needs a specific turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+from agentrl.env.rewards import gsm8k_reward
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.serve.agent import AgentRunner
+from agentrl.serve.app import create_app
+from agentrl.serve.protocol import RequestError, parse_request
+from agentrl.serve.server import BackgroundServer
+from agentrl.serve.service import ChatService, ServeSettings, TokenBytes
+from agentrl.tools.builtin.calculator import calculator
+from agentrl.tools.parsers import parse_hermes
+from tests.conftest import ScriptedEngine
+from tests.test_serve import ANSWER, CALL, TASK, agent_runner
+
+BAD = '<tool_call>\n{"name": "calculator", "arguments": {"expression": 12*3}}\n</tool_call>'  # not JSON
+BAD_ERROR = ("Error: the tool call is not valid JSON (Expecting ',' delimiter at position 53): "
+             '{"name": "calculator", "arguments": {"expression": 12*3}}')
+
+
+async def ask(service: ChatService, body: dict, session_id: str | None = "s") -> dict:
+    return await service.complete(parse_request(json.dumps(body).encode()), session_id)
+
+
+def test_a_malformed_call_beside_valid_ones_stays_in_the_replys_text(tokenizer):
+    other = CALL.replace("1234 * 5678", "2 + 2")
+    engine = ScriptedEngine(tokenizer, [f"First {CALL} then {BAD} and {other} done."])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    body = {"messages": TASK.messages(), "tools": [calculator.schema]}
+    message = asyncio.run(ask(service, body))["choices"][0]["message"]
+    assert message["content"] == f"First  then {BAD} and  done."  # only the blocks that parsed are taken out
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        {"expression": "1234 * 5678"}, {"expression": "2 + 2"}]
+    assert service.sessions.get("s").parse_errors == 1
+
+
+async def reporting_agent(ctx, task):
+    """test_serve's calculator_agent, also answering the malformed call blocks left in a reply."""
+    client = ctx.openai_client()
+    messages = task.messages(ctx.system_prompt)
+    for _ in range(8):
+        response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        answers = await ctx.run_tools(message.tool_calls, message.content)
+        if not answers:
+            return
+        messages += answers
+
+
+@pytest.mark.parametrize("first_turn", [CALL + "\n" + BAD, BAD], ids=["call-and-malformed", "malformed-only"])
+def test_an_agent_tells_the_model_its_call_was_broken_as_the_builtin_loop_does(first_turn, tokenizer):
+    builtin = EpisodeRunner(ScriptedEngine(tokenizer, [first_turn, ANSWER]), tokenizer, [calculator], parse_hermes,
+                            EpisodeSettings(), reward_fn=gsm8k_reward)
+    expected = asyncio.run(builtin.run(TASK, "g"))
+    engine = ScriptedEngine(tokenizer, [first_turn, ANSWER])
+    runner = agent_runner(reporting_agent, engine, tokenizer)
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    tool_messages = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert tool_messages == [m["content"] for m in expected.messages if m["role"] == "tool"]
+    assert tool_messages[-1] == BAD_ERROR
+    assert traj.token_ids == expected.token_ids and traj.loss_mask == expected.loss_mask
+    assert (traj.finish, traj.error, traj.reward) == (expected.finish, None, expected.reward) == ("stop", None, 1.0)
+    assert traj.metrics["parse_errors"] == expected.metrics["parse_errors"] == 1  # counted once, when sampled
+    assert (traj.metrics["segments"], traj.metrics["history_rewrites"]) == (1, 0)
+
+
+def test_logprobs_bytes_of_tokens_that_hold_part_of_a_character(tokenizer):
+    euro = tokenizer.convert_tokens_to_ids(["â", "Ĥ", "¬"])  # E2 82 AC, spelled in GPT-2's byte alphabet
+    engine = ScriptedEngine(tokenizer, [])
+    before, after = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("Costs 5", " each.\nOK"))
+    engine.turns = [before + euro + after + [2]]
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    choice = asyncio.run(ask(service, {"messages": TASK.messages(), "logprobs": True}, None))["choices"][0]
+    assert choice["message"]["content"] == "Costs 5€ each.\nOK"
+    entries = choice["logprobs"]["content"]
+    assert len(entries) == len(engine.turns[0]) and entries[-1]["token"] == "<|im_end|>"
+    split = [e for e in entries if e["token"] == "\ufffd"]  # OpenAI's text for part of a character
+    assert [e["bytes"] for e in split] == [[0xE2], [0x82], [0xAC]]
+    assert b"".join(bytes(e["bytes"]) for e in entries) == "Costs 5€ each.\nOK<|im_end|>".encode()
+    assert all(bytes(e["bytes"]) == e["token"].encode() for e in entries if e not in split)
+    # a vocabulary not spelled in the byte alphabet (SentencePiece's ▁): the decoded text's bytes
+    word_level = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"▁€": 0, "[UNK]": 1}, "[UNK]")))
+    assert TokenBytes(word_level)(0, " €") == " €".encode() and TokenBytes(tokenizer)(euro[1], "\ufffd") == b"\x82"
+
+
+def test_logit_bias_and_response_format_are_refused_unless_neutral(tokenizer):
+    base = {"messages": TASK.messages()}
+    for extra, message in [({"logit_bias": {"50256": -100}}, "logit_bias: token biases are not supported"),
+                           ({"response_format": {"type": "json_object"}},
+                            'response_format: only {"type": "text"} is supported; structured output is not')]:
+        with pytest.raises(RequestError) as refused:
+            parse_request(json.dumps({**base, **extra}).encode())
+        assert (refused.value.status, refused.value.body()) == (400, {"error": {
+            "message": message, "type": "invalid_request_error", "param": None, "code": "invalid_request_error"}})
+    service = ChatService(ScriptedEngine(tokenizer, [ANSWER] * 5), tokenizer, parse_hermes, ServeSettings())
+    neutral = [{"logit_bias": None}, {"logit_bias": {}}, {"logit_bias": {"50256": 0}}, {"response_format": None},
+               {"response_format": {"type": "text"}}]
+    for extra in neutral:
+        assert asyncio.run(ask(service, {**base, **extra}, None))["choices"][0]["message"]["content"] == ANSWER
+    # through HTTP and the openai client, as an agent framework would meet it
+    server = BackgroundServer(create_app(service))
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="response_format: only"):
+            client.chat.completions.create(model="any", messages=TASK.messages(),
+                                           response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    finally:
+        server.stop()
+
+
+class LedgerTool:
+    """A tool that records its lifecycle; with `hang`, its create never ends unless cancelled."""
+
+    def __init__(self, name: str, log: list[str], hang: asyncio.Event | None = None):
+        self.schema = {"type": "function", "function": {"name": name, "description": name, "parameters": {
+            "type": "object", "properties": {}}}}
+        self.name, self.log, self.hang = name, log, hang
+
+    async def create(self, instance_id, **kwargs):
+        self.log.append(f"create {self.name}")
+        if self.hang is not None:
+            self.hang.set()
+            await asyncio.sleep(60)
+
+    async def execute(self, instance_id, arguments):
+        return "ok"
+
+    async def reward(self, instance_id):
+        return None
+
+    async def release(self, instance_id):
+        self.log.append(f"release {self.name}")
+
+
+def test_an_episode_cancelled_while_its_tools_start_releases_them(tokenizer):
+    log: list[str] = []
+
+    async def cancel_while_starting():
+        hanging = asyncio.Event()
+        tools = [LedgerTool("ledger", log), LedgerTool("stuck", log, hanging)]
+        runner = AgentRunner(reporting_agent, ScriptedEngine(tokenizer, [ANSWER]), tokenizer, tools, parse_hermes,
+                             EpisodeSettings())
+        try:
+            episode = asyncio.ensure_future(runner.run(TASK, "g"))
+            await asyncio.wait_for(hanging.wait(), 10)
+            episode.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await episode
+        finally:
+            runner.close()
+
+    asyncio.run(cancel_while_starting())
+    assert log[:2] == ["create ledger", "create stuck"] and "release ledger" in log
