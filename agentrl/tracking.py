@@ -4,7 +4,8 @@
 (torch's `SummaryWriter`) are always written under `<run_dir>/tensorboard/`, with flat metric names
 grouped into sections (`reward_mean` → `reward/mean`); `<run_dir>/metrics.jsonl` gets one flushed
 JSON line per step, exactly as logged; tqdm draws the progress bar with its ETA. Weights & Biases is
-used only when a project name is given, and is imported only then.
+used only when a project name is given, and is imported only then (`check_wandb` tries the import
+before a run loads its models).
 
 This module computes no metrics and decides nothing about what to log; it only records.
 """
@@ -59,6 +60,17 @@ def _import_wandb(project: str) -> Any:
     except ImportError:
         raise ConfigError(f"wandb project '{project}' is configured but the wandb package is not installed "
                           f"(pip install wandb, or leave the wandb project unset)") from None
+
+
+def check_wandb(project: str | None) -> None:
+    """With a W&B project configured, the wandb package imports, or a ConfigError naming
+    trainer.wandb_project. The driver calls it before any model loads, so that a missing package
+    costs no model load (RunLogger itself starts after the models)."""
+    if project:
+        try:
+            _import_wandb(project)
+        except ConfigError as e:
+            raise ConfigError(f"trainer.wandb_project: {e}") from None
 
 
 class RunLogger:

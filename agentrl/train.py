@@ -10,6 +10,7 @@ over ranks ('ray', trainer/launch.py); the driver makes the same calls either wa
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -27,10 +28,10 @@ from agentrl.memory import release_freed_memory
 from agentrl.rollout.collect import summarize, write_jsonl
 from agentrl.rollout.run import load_driver_parts
 from agentrl.trainer.checkpoint import latest_checkpoint
-from agentrl.trainer.critic import CriticWorker
+from agentrl.trainer.critic import CriticWorker, check_critic_path
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.trainer.roles import Roles, start_roles
-from agentrl.tracking import RunLogger
+from agentrl.tracking import RunLogger, check_wandb
 from agentrl.trainer.returns import gae_targets, outcome_advantages, token_advantages
 from agentrl.types import Task, Trajectory
 
@@ -57,6 +58,13 @@ def check_failures(step: int, trajectories: list[Trajectory], max_fraction: floa
         causes = "; ".join(f"{error} ({count}x)" for error, count in Counter(tr.error for tr in failed).most_common(3))
         raise RunFailed(f"step {step}: {len(failed)} of {len(trajectories)} episodes failed (more than "
                         f"trainer.max_failed_fraction {max_fraction:g}): {causes}")
+
+
+def masked_mean(rows: list[list[float]], masks: list[list[int]]) -> float:
+    """The mean of per-token values over the trained tokens (mask 1, the first token of a sequence
+    aside: nothing predicts it)."""
+    tokens = sum(sum(mask[1:]) for mask in masks)
+    return sum(v for row, mask in zip(rows, masks) for v, m in zip(row[1:], mask[1:]) if m) / max(tokens, 1)
 
 
 def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, policy: PolicyWorker,
@@ -87,6 +95,8 @@ def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, p
     clock = time.perf_counter()
     update = policy.update(sequences, masks, advantages, old, None if a.kl_in_reward else ref,
                            [tr.logprobs for tr in trained])
+    if kl is not None:  # the KL went into the rewards, not the loss: report it as the update would
+        update["kl_ref"] = masked_mean(kl, masks)
     if critic is not None:
         update |= critic.update(sequences, masks, returns, values)
     release_freed_memory()  # once a step, after the largest allocations (see agentrl/memory.py)
@@ -97,6 +107,10 @@ def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, p
 def train(config: RecipeConfig) -> list[dict[str, float]]:
     check_training(config)
     print(to_yaml(config), file=sys.stderr)
+    # What would otherwise fail only once the models are loaded (RunLogger starts after them):
+    check_wandb(config.trainer.wandb_project)
+    if config.algorithm.advantage == "gae" and config.critic.path:
+        check_critic_path(config.critic.path)
     pool, tokenizer = load_driver_parts(config)  # the user's files are checked before any model loads
     if config.rollout.agent:  # checked here too: a run that cannot start writes nothing
         from agentrl.serve.agent import load_agent
@@ -118,24 +132,28 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
     return history
 
 
-EARLIER_RUN = ("checkpoints", "trajectories", "metrics.jsonl")
+STEP_MODEL = re.compile(r"step_\d+")  # a step_N/ model directory (trainer.save_every)
+EARLIER_RUN = ("checkpoints", "trajectories", "metrics.jsonl", "final", "critic")
 
 
 def set_aside_earlier_run(run_dir: Path) -> None:
     """A run that starts from step 0 in a directory an earlier run used moves that run's
-    checkpoints, trajectories and metrics into previous/ (replacing what an even earlier one left
-    there). Left in place, the earlier run's newer checkpoints would outrank this run's (pruning
-    would delete this run's own, and resume=auto would continue the other run), and its later
-    trajectory files would show as this run's steps."""
+    checkpoints, trajectories, metrics and model directories (step_N/, final/, critic/) into
+    previous/ (replacing what an even earlier one left there). Left in place, the earlier run's
+    newer checkpoints would outrank this run's (pruning would delete this run's own, and
+    resume=auto would continue the other run), and its later trajectory files and step_N/ models
+    would show as this run's steps, its final/ as this run's result."""
     found = [name for name in EARLIER_RUN if (run_dir / name).exists()]
-    if not found:
+    steps = [p.name for p in run_dir.iterdir() if STEP_MODEL.fullmatch(p.name) and p.is_dir()]
+    if not found and not steps:
         return
     previous = run_dir / "previous"
     shutil.rmtree(previous, ignore_errors=True)
     previous.mkdir()
-    for name in found:
+    for name in found + steps:
         os.replace(run_dir / name, previous / name)
-    print(f"agentrl: {run_dir} held an earlier run ({', '.join(found)}); moved to {previous} "
+    listed = ", ".join(found + ([f"{len(steps)} step_N/"] if steps else []))
+    print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous} "
           "(trainer.resume=auto continues a run instead)", file=sys.stderr)
 
 

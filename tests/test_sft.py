@@ -1,13 +1,17 @@
-"""SFT samples use the rollout token layout: only assistant tokens carry loss; one step learns."""
+"""SFT samples use the rollout token layout: only assistant tokens carry loss; one step learns; the
+output replaces only a saved model, never a directory of other files."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.trainer.logprobs import pad_sequences, token_logprobs
 from agentrl.trainer.sft import conversation_sample, sft_train
+
+from conftest import make_tiny_llama
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12 * 34?"},
@@ -56,3 +60,63 @@ def test_openai_style_tool_calls_are_trained(tokenizer):
     assert trained == expected
     # The same ids as the text-form conversation: both render to the same tokens.
     assert sample.token_ids == conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES).token_ids
+
+
+def sft_recipe(model_dir, output, *overrides):
+    from agentrl.recipe import load_recipe
+
+    return load_recipe(None, [f"model.path={model_dir}", f"sft.output={output}", "sft.steps=1", "sft.num_examples=2",
+                              "sft.batch_size=2", "sft.dtype=float32", *overrides])
+
+
+def test_sft_replaces_its_own_output_but_never_a_directory_of_other_files(tmp_path, tiny_model_dir, monkeypatch):
+    import agentrl.models
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.sft import run_sft
+
+    output = tmp_path / "out"
+    run_sft(sft_recipe(tiny_model_dir, output))
+    first = (output / "model.safetensors").read_bytes()
+    run_sft(sft_recipe(tiny_model_dir, output, "sft.seed=7"))  # its own full model: replaced ...
+    assert (output / "model.safetensors").read_bytes() != first
+    run_sft(sft_recipe(tiny_model_dir, output, "model.lora.rank=4"))  # ... and by adapters
+    assert (output / "adapter_config.json").is_file() and not (output / "model.safetensors").exists()
+
+    mydata = tmp_path / "mydata"
+    (mydata / "sub").mkdir(parents=True)
+    (mydata / "notes.txt").write_text("precious")
+    monkeypatch.setattr(agentrl.models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError) as err:
+        run_sft(sft_recipe(tiny_model_dir, mydata))
+    assert str(err.value) == (f"sft.output: {mydata} holds files that are not a saved model (notes.txt, sub/); "
+                              "saving a model replaces the whole directory, so choose another path or move them")
+    assert (mydata / "notes.txt").read_text() == "precious" and (mydata / "sub").is_dir()
+
+
+def test_a_save_refuses_a_model_directory_holding_other_files(tmp_path, tokenizer):
+    """The check every save makes (train's step_N/, final/ and critic/ too), whatever chose the path."""
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.checkpoint import save_model
+    from agentrl.trainer.critic import ValueModel
+
+    model, target = make_tiny_llama(), tmp_path / "final"
+    target.mkdir()
+    save_model(model, tokenizer, target)  # an empty directory is replaced
+    save_model(model, tokenizer, target)  # and so is a saved model
+    critic = ValueModel(make_tiny_llama().get_decoder())
+    critic.save(tmp_path / "critic")
+    critic.save(tmp_path / "critic")  # a saved critic: decoder/ and value_head.pt
+    (target / "notes.txt").write_text("mine")
+    (tmp_path / "critic" / "decoder" / "notes.txt").write_text("mine")
+    (tmp_path / "afile").write_text("mine")
+    for path, held in ((target, "notes.txt"), (tmp_path / "critic", "decoder/")):
+        with pytest.raises(ConfigError) as err:
+            save_model(model, tokenizer, path) if path == target else critic.save(path)
+        assert str(err.value) == (f"{path} holds files that are not a saved model ({held}); saving a model "
+                                  "replaces the whole directory, so choose another path or move them")
+    from agentrl.trainer.checkpoint import check_replaceable
+
+    with pytest.raises(ConfigError, match=r"^sft\.output: .*/afile is a file; a model is saved as a directory"):
+        check_replaceable(tmp_path / "afile", "sft.output")
+    assert (target / "notes.txt").read_text() == "mine" and (target / "config.json").is_file()
+    assert not (tmp_path / "final.tmp").exists()

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from agentrl.errors import ConfigError
-from agentrl.tracking import RunLogger, tag_for
+from agentrl.tracking import RunLogger, check_wandb, tag_for
 
 STEPS = [
     {"reward_mean": 0.25, "accuracy": 0.5, "kl_ref": 0.001, "time_rollout_s": 3.5, "finish_stop": 0.75,
@@ -104,6 +104,17 @@ def test_wandb_configured_but_missing_fails_at_start(tmp_path, monkeypatch):
                                           r"package is not installed"):
         RunLogger(tmp_path, {}, total_steps=1, wandb="agentrl-runs", progress=False)
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing was started
+
+
+def test_the_early_wandb_check_names_the_recipe_key_and_imports_nothing_unconfigured(monkeypatch):
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    check_wandb(None)
+    assert "wandb" not in sys.modules
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError) as err:
+        check_wandb("agentrl-runs")
+    assert str(err.value) == ("trainer.wandb_project: wandb project 'agentrl-runs' is configured but the wandb "
+                              "package is not installed (pip install wandb, or leave the wandb project unset)")
 
 
 def test_wandb_receives_project_config_and_grouped_scalars(tmp_path, monkeypatch):

@@ -284,6 +284,14 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_recip
     assert listing(tmp_path / "split" / "previous" / "checkpoints") == ["step_3"]
     assert listing(tmp_path / "split" / "previous" / "trajectories") == [f"step_{i}.jsonl" for i in (1, 2, 3)]
     assert len((tmp_path / "split" / "previous" / "metrics.jsonl").read_text().splitlines()) == 3
+    # The earlier run's model directories go with it: its step_2/ and step_3/ would pass for this
+    # run's steps, its final/ for this run's result until this one ends.
+    assert listing(tmp_path / "split") == ["checkpoints", "config.yaml", "final", "metrics.jsonl", "previous",
+                                           "step_1", "tensorboard", "trajectories"]
+    assert listing(tmp_path / "split" / "previous") == ["checkpoints", "final", "metrics.jsonl", "step_1", "step_2",
+                                                        "step_3", "trajectories"]
+    weights = lambda path: (tmp_path / "split" / path / "model.safetensors").read_bytes()  # noqa: E731
+    assert weights("final") == weights("step_1") and weights("previous/final") == weights("previous/step_3")
 
 
 def test_activation_checkpointing_gives_the_same_update():
@@ -322,6 +330,29 @@ def test_failed_episodes_are_left_out_of_the_update_and_the_baseline():
     for (name, a), b in zip(with_failure.named_parameters(), without.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
     assert metrics[3]["loss"] == metrics[2]["loss"] and metrics[3]["grad_norm"] > 0
+
+
+def test_the_kl_in_the_reward_is_reported_as_kl_ref_like_the_kl_loss():
+    """Both place the same KL (k3, policy before the update against the reference) in the step; the
+    metric is its mean over the trained tokens either way."""
+    from agentrl.train import learn
+    from agentrl.trainer.policy import ReferenceWorker
+
+    trajectories = []
+    for reward, completion in ((1.0, COMPLETION), (0.0, COMPLETION[:5] + [2])):
+        traj = Trajectory(task_id="t", group_id="g", finish="stop")
+        traj.append(PROMPT, trainable=False)
+        traj.append(completion, trainable=True, logprobs=[-1.0] * len(completion))
+        traj.reward = reward
+        trajectories.append(traj)
+    kl_ref = {}
+    for in_reward in (False, True):
+        algo = AlgorithmConfig(advantage="grpo", kl_coef=0.1, kl_in_reward=in_reward)
+        policy = PolicyWorker(make_tiny_llama(), 2, lr=1e-3, temperature=1.0, kl_coef=0.0 if in_reward else 0.1)
+        reference = ReferenceWorker(make_tiny_llama(seed=1), 2, 1.0, 4096)
+        kl_ref[in_reward] = learn(trajectories, 2, algo, policy, reference, None, {})["kl_ref"]
+    assert kl_ref[True] == pytest.approx(kl_ref[False], abs=1e-6)
+    assert kl_ref[True] == pytest.approx(0.01939, abs=1e-5)  # two random models: not 0.0
 
 
 RAISING_REWARDS = '''
@@ -558,3 +589,48 @@ def test_train_checks_the_agent_before_it_writes_anything(tmp_path, tiny_recipe)
     assert str(err.value) == ("rollout.agent: cannot import module 'nope_module' "
                               "(ModuleNotFoundError: No module named 'nope_module')")
     assert not (tmp_path / "run").exists()
+
+
+def refuse_model_loads(monkeypatch):
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    for module in ("agentrl.trainer.roles", "agentrl.rollout.run"):
+        monkeypatch.setattr(f"{module}.load_model", load_model)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.wandb_project=myproj"],
+     "trainer.wandb_project: wandb project 'myproj' is configured but the wandb package is not installed "
+     "(pip install wandb, or leave the wandb project unset)"),
+    (["algorithm.advantage=gae", "critic.path={tmp}/nosuch"], "critic.path: {tmp}/nosuch does not exist"),
+    (["algorithm.advantage=gae", "critic.path={tmp}"],
+     "critic.path: {tmp} is a directory but neither a saved critic (decoder/ and value_head.pt) nor a model "
+     "directory (config.json or adapter_config.json)"),
+])
+def test_train_checks_wandb_and_the_critic_path_before_any_model_loads(tmp_path, tiny_recipe, monkeypatch,
+                                                                        overrides, message):
+    from agentrl.errors import ConfigError
+    from agentrl.train import train
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail even where it is installed
+    refuse_model_loads(monkeypatch)
+    recipe = tiny_recipe("trainer: {steps: 1, tasks_per_step: 1}\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run's
+    with pytest.raises(ConfigError) as err:
+        train(load_recipe(recipe, [o.format(tmp=tmp_path) for o in overrides]))
+    assert str(err.value) == message.format(tmp=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]  # not set aside
+
+
+def test_a_critic_path_that_names_nothing_stops_the_cli_before_any_model_loads(tmp_path, tiny_model_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
+         f"output_dir={tmp_path / 'run'}", "algorithm.advantage=gae", "critic.path=nosuch"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "agentrl: error: critic.path: 'nosuch' is not a local directory, not a builtin (smollm2-135m-instruct), "
+        "and loading it as a hub id failed (")
+    assert "Loading weights" not in done.stderr and not (tmp_path / "run").exists()

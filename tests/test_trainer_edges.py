@@ -1,6 +1,7 @@
 """The trainer at its edges: two real gloo ranks whose micro-batches differ, activation checkpointing
 with packed rows, rows with nothing to train, dropout, bf16 reference logprobs, LoRA on the
-embeddings. Models are tiny random Llamas (a 512-token vocabulary where no tokenizer is involved)."""
+embeddings (refused where they are tied to the head), fewer mini-batches than configured. Models are
+tiny random Llamas (a 512-token vocabulary where no tokenizer is involved)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,16 @@ from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
 from agentrl.trainer.logprobs import padded_micro_batches, token_logprobs
 from agentrl.trainer.packing import PackedRow, enable_packing, pack_cost
-from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
+from agentrl.trainer.policy import PolicyWorker, ReferenceWorker, batched_logprobs
 
 PROMPT_TOKENS = 20
 
 
-def small_llama(attention_dropout: float = 0.0) -> LlamaForCausalLM:
+def small_llama(attention_dropout: float = 0.0, tied: bool = True) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                          attention_dropout=attention_dropout)
     return LlamaForCausalLM(config)
 
@@ -227,10 +228,11 @@ def test_the_reference_computes_like_the_policy_under_bf16(tiny_model_dir):
 
 
 def lora_model(**options):
+    """LoRA on the embeddings, the head and q_proj of a model whose head has its own weight."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(small_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"],
-                                                     **options))
+    model = get_peft_model(small_llama(tied=False), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"], **options))
     torch.manual_seed(3)
     for name, parameter in model.named_parameters():
         if "lora_" in name:  # peft starts B at zero; a merge of zeros would prove nothing
@@ -239,14 +241,60 @@ def lora_model(**options):
 
 
 def test_lora_on_the_embeddings_is_merged_like_peft_does():
+    from agentrl.rollout.hf_engine import HFEngine
     from agentrl.trainer.lora import merged_weights
 
     model = lora_model()
     sent = dict(merged_weights(model))
+    engine = HFEngine(small_llama(tied=False), pad_token_id=2)
+    engine.update_weights(iter(sent.items()), version=1)
+    sequences, masks, _ = UNEVEN
+    trained = batched_logprobs(model, sequences[:1], masks[:1], 2, 1.0, 4096)[0][PROMPT_TOKENS:]
+    torch.testing.assert_close(torch.tensor(engine.score(sequences[0], PROMPT_TOKENS)), torch.tensor(trained),
+                               atol=1e-5, rtol=0)
     merged = model.merge_and_unload().state_dict()
-    assert sorted(sent) == sorted(set(merged) - {"lm_head.weight"})  # tied: the engine ties it back
+    assert sorted(sent) == sorted(merged)
     assert all(torch.equal(tensor, merged[name]) for name, tensor in sent.items())
-    assert not torch.equal(sent["model.embed_tokens.weight"], small_llama().model.embed_tokens.weight)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert not torch.equal(sent[name], small_llama(tied=False).state_dict()[name])
+
+
+@pytest.mark.parametrize("targets, adapted, tied_to", [
+    (["embed_tokens", "q_proj"], "model.embed_tokens", "lm_head"),
+    (["lm_head"], "lm_head", "model.embed_tokens"),
+    (".*embed_tokens", "model.embed_tokens", "lm_head"),
+])
+def test_lora_on_a_weight_the_embeddings_share_with_the_head_is_refused(targets, adapted, tied_to):
+    """peft would adapt one of the two modules: the trainer would run W + B·A in one and W in the
+    other while the engine, tying the merged weight it receives, runs W + B·A in both (on the
+    embeddings a logprob gap of 2.5 after three steps; on the head the sync stopped)."""
+    from agentrl.config import LoraSettings
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.lora import add_lora, is_lora
+
+    model = small_llama()
+    with pytest.raises(ConfigError) as error:
+        add_lora(model, LoraSettings(rank=4, target_modules=targets), "/nonexistent")
+    assert str(error.value) == (
+        f"model.lora.target_modules: '{adapted}' shares its weight with '{tied_to}' (the model ties its input "
+        "embeddings and output head); LoRA would adapt it in one of them only while the engines run the merged "
+        "weight in both, so leave both out")
+    assert not is_lora(model) and type(model.lm_head) is torch.nn.Linear  # refused before peft changed it
+    # Every linear layer but the head is fine on a tied model; the embeddings on an untied one.
+    assert is_lora(add_lora(small_llama(), LoraSettings(rank=4), "/nonexistent"))
+    assert is_lora(add_lora(small_llama(tied=False), LoraSettings(rank=4, target_modules=targets), "/nonexistent"))
+
+
+def test_lora_target_modules_that_match_nothing_are_a_config_error():
+    from agentrl.config import LoraSettings
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.lora import add_lora
+
+    with pytest.raises(ConfigError) as error:
+        add_lora(small_llama(), LoraSettings(rank=4, target_modules=["nosuch"]), "/nonexistent")
+    assert str(error.value) == ("model.lora.target_modules: peft cannot adapt ['nosuch'] in this model (Target "
+                                "modules {'nosuch'} not found in the base model. Please check the target modules "
+                                "and try again.)")
 
 
 def test_a_lora_weight_that_cannot_be_merged_stops_the_sync(monkeypatch):
@@ -261,3 +309,22 @@ def test_a_lora_weight_that_cannot_be_merged_stops_the_sync(monkeypatch):
     with pytest.raises(RuntimeError, match=r"^LoRA merge incomplete: model\.layers\.1\.self_attn\.q_proj has only "
                                            r"\['A', 'W'\]$"):
         dict(lora.merged_weights(lora_model()))
+
+
+def test_metrics_are_means_over_the_steps_that_ran():
+    """One episode dealt into two mini-batches is one optimizer step (the empty part is skipped, as
+    when failed episodes were left out): its metrics are that step's, not halved."""
+    sequences, masks, advantages = (rows[:1] for rows in UNEVEN)
+    metrics = []
+    for mini_batches in (1, 2):
+        policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0, mini_batches=mini_batches)
+        policy_metrics = policy.update(sequences, masks, advantages, old_logprobs=policy.logprobs(sequences, masks))
+        critic = CriticWorker(ValueModel(small_llama().get_decoder()), 2, lr=1e-3, value_clip=0.2,
+                              mini_batches=mini_batches)
+        returns = [[float(m) for m in masks[0]]]
+        metrics.append(policy_metrics | critic.update(sequences, masks, returns, critic.values(sequences, masks)))
+    # The policy's loss is -advantage (ratio 1) and the critic's 0.5 · (0 - 1)²: the step that ran.
+    assert (metrics[0]["loss"], metrics[0]["value_loss"]) == (-1.0, 0.5)
+    assert metrics[0]["grad_norm"] == pytest.approx(4.098, abs=1e-3)
+    assert metrics[0]["critic_grad_norm"] == pytest.approx(4.429, abs=1e-3)
+    assert metrics[1] == metrics[0]

@@ -11,6 +11,10 @@ so a killed run never leaves a half-written one.
   `latest_checkpoint`; older ones are pruned to `trainer.keep_checkpoints`.
 
 A checkpoint directory is complete exactly when it has its final name.
+
+A model directory is saved by replacing whatever is at its path, so a save refuses a path that holds
+anything a model save would not have written (`check_replaceable`): a user's own files are never
+deleted to make room for a model. `agentrl sft` checks `sft.output` this way before it loads a model.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from agentrl.errors import ConfigError
+
 if TYPE_CHECKING:
     from agentrl.trainer.distributed import Ranks
 
@@ -32,10 +38,48 @@ TRAINER_STATE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+# What a model save writes: save_pretrained's config, weights and index, the tokenizer's files and
+# chat template, peft's adapter files and model card; a critic's value_head.pt beside its decoder/.
+_MODEL_MARKERS = ("config.json", "adapter_config.json", "value_head.pt")
+_SAVED_FILE = re.compile(r".+\.(json|safetensors|bin|jinja|model)|merges\.txt|vocab\.txt|README\.md|value_head\.pt")
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """The entries of directory `path` that no model save writes: none for an empty directory or a
+    saved model; every entry where no model marker (config.json, adapter_config.json, a critic's
+    value_head.pt) says it holds one."""
+    entries = sorted(path.iterdir())
+    if entries and not any((path / marker).is_file() for marker in _MODEL_MARKERS):
+        return [entry.name + "/" * entry.is_dir() for entry in entries]
+    critic = (path / "value_head.pt").is_file()
+    return [entry.name + "/" * entry.is_dir() for entry in entries
+            if not (entry.is_file() and _SAVED_FILE.fullmatch(entry.name))
+            and not (critic and entry.name == "decoder" and entry.is_dir() and (entry / "config.json").is_file()
+                     and not foreign_entries(entry))]
+
+
+def check_replaceable(path: str | Path, key: str | None = None) -> None:
+    """A model save may replace `path`: it does not exist, or is a directory that is empty or holds a
+    saved model and nothing else (foreign_entries). Otherwise a ConfigError naming `key` (the recipe
+    key that chose the path, when there is one) and the path."""
+    path = Path(path)
+    where = f"{key}: {path}" if key else str(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ConfigError(f"{where} is a file; a model is saved as a directory, so choose another path")
+    foreign = foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(f"{where} holds files that are not a saved model ({shown}); saving a model replaces the "
+                          "whole directory, so choose another path or move them")
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yields a staging directory; on success it replaces `path`."""
+    """Yields a staging directory; on success it replaces `path`, which check_replaceable allows."""
     path = Path(path)
+    check_replaceable(path)
     staging = path.with_name(path.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

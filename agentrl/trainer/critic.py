@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModel
 
 from agentrl.algos.losses import value_loss
+from agentrl.errors import ConfigError
 from agentrl.trainer.checkpoint import atomic_directory, full_state_dict, load_sharded, save_sharded
 from agentrl.trainer.distributed import Ranks, full_tensor, shard_model
 from agentrl.trainer.logprobs import PaddedBatch, evaluation, mini_batch_schedule, pad_values, padded_micro_batches
@@ -68,6 +69,33 @@ class ValueModel(torch.nn.Module):
         return values_BT * batch.mask_BT
 
 
+def check_critic_path(path: str) -> None:
+    """`critic.path` names what ValueModel.load starts from (a saved critic; or a causal LM: a local
+    model directory, a builtin name, a hub id), or a ConfigError naming the key. Cheap (a hub id
+    reads its config only), so the driver checks it before any model loads."""
+    from agentrl.models import BUILTIN_MODELS
+
+    local = Path(path)
+    if local.is_dir():
+        if ((local / "value_head.pt").is_file() and (local / "decoder" / "config.json").is_file()
+                or any((local / name).is_file() for name in ("config.json", "adapter_config.json"))):
+            return
+        raise ConfigError(f"critic.path: {path} is a directory but neither a saved critic (decoder/ and "
+                          "value_head.pt) nor a model directory (config.json or adapter_config.json)")
+    if path in BUILTIN_MODELS:
+        return
+    if local.is_absolute() or path.startswith(("./", "../", "~")):  # a path, not a hub id
+        raise ConfigError(f"critic.path: {path} does not exist")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"critic.path: '{path}' is not a local directory, not a builtin "
+                          f"({', '.join(BUILTIN_MODELS)}), and loading it as a hub id failed "
+                          f"({str(e).splitlines()[0]})") from None
+
+
 class CriticWorker:
     """The value model, its optimiser, and the clipped value-loss update."""
 
@@ -105,9 +133,11 @@ class CriticWorker:
     def update(self, sequences: list[list[int]], masks: list[list[int]], returns: list[list[float]],
                old_values: list[list[float]]) -> dict[str, float]:
         """Epochs over mini-batches of the clipped value loss (token mean over each mini-batch, by
-        its global token count)."""
+        its global token count); the metrics are means over the optimizer steps taken."""
         totals = {"value_loss": 0.0, "critic_grad_norm": 0.0}
+        passes = 0  # the optimizer steps taken (mini_batch_schedule skips empty mini-batches)
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
+            passes += 1
             total = max(sum(sum(masks[i][1:]) for i in mini), 1)
             plan = self.ranks.micro_batch_plan(mini, sequences, masks, self.micro_batch_tokens)
             self.optimizer.zero_grad(set_to_none=True)
@@ -128,8 +158,7 @@ class CriticWorker:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             totals["critic_grad_norm"] += float(full_tensor(norm))
             self.optimizer.step()
-        passes = self.ppo_epochs * self.mini_batches
-        return {key: value / passes for key, value in totals.items()}
+        return {key: value / max(passes, 1) for key, value in totals.items()}
 
     def save(self, path: str | Path) -> None:
         self.model.save(path, rank=self.ranks.rank)

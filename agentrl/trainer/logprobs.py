@@ -77,7 +77,8 @@ def evaluation(model: torch.nn.Module) -> Iterator[None]:
 
 
 def mini_batch_schedule(rng: random.Random, size: int, epochs: int, mini_batches: int) -> Iterator[list[int]]:
-    """Indices of each optimizer step: every epoch reshuffles, then deals into `mini_batches` parts."""
+    """Indices of each optimizer step: every epoch reshuffles, then deals into `mini_batches` parts.
+    An empty part (fewer rows than parts, e.g. after failed episodes were left out) is no step."""
     order = list(range(size))
     for _ in range(epochs):
         rng.shuffle(order)

@@ -6,17 +6,22 @@ them and the optimizer holds state for the adapters alone) and only they are che
 know nothing of LoRA: every weight sync sends full tensors under the base model's names, with each
 adapted layer merged as W + scaling · B·A (transposed for an embedding). The merge happens on the
 gathered full tensors, so it is the same under FSDP. This module does not choose which layers to
-adapt beyond peft's own options.
+adapt beyond peft's own options, but it refuses the input embeddings and the output head of a model
+that ties them to one weight (SmolLM2 does): peft adapts only the module named, so the trainer would
+run W + B·A in one place and W in the other while the engines, which tie the weight they receive,
+run the merged one in both (and `ensure_weight_tying` ties the adapters but merges them twice).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from agentrl.errors import ConfigError
 from agentrl.trainer.distributed import full_tensors
+from agentrl.yaml_files import one_line
 
 if TYPE_CHECKING:
     from agentrl.config import LoraSettings
@@ -32,13 +37,34 @@ def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str) -> tor
 
     from agentrl.models import resolve_model
 
-    resolved = resolve_model(base)
-    model.config._name_or_path = str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
-
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha if settings.alpha is not None else 2 * settings.rank,
                         lora_dropout=settings.dropout, target_modules=settings.target_modules, bias="none",
                         task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    refuse_tied_targets(model, config)
+    resolved = resolve_model(base)
+    model.config._name_or_path = str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # peft's NoMatchingPeftModuleError, or a layer type it cannot adapt
+        raise ConfigError(f"model.lora.target_modules: peft cannot adapt {settings.target_modules!r} in this model "
+                          f"({one_line(e)})") from None
+
+
+def refuse_tied_targets(model: torch.nn.Module, config: Any) -> None:
+    """A ConfigError when the LoRA `config` targets the input embeddings or the output head of a
+    model that ties them to one weight (see the module docstring)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is not getattr(embedding, "weight", None):
+        return
+    tied = {name: module for name, module in model.named_modules() if module is embedding or module is head}
+    for name in tied:
+        if check_target_module_exists(config, name):
+            other = next((n for n in tied if n != name), name)
+            raise ConfigError(f"model.lora.target_modules: '{name}' shares its weight with '{other}' (the model ties "
+                              "its input embeddings and output head); LoRA would adapt it in one of them only while "
+                              "the engines run the merged weight in both, so leave both out")
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -136,7 +136,8 @@ class PolicyWorker:
                old_logprobs: list[list[float]] | None = None,
                ref_logprobs: list[list[float]] | None = None,
                rollout_logprobs: list[list[float]] | None = None) -> dict[str, float]:
-        """PPO epochs over mini-batches; `old_logprobs` None is allowed only when on_policy.
+        """PPO epochs over mini-batches; `old_logprobs` None is allowed only when on_policy. Each
+        metric is the mean over the optimizer steps taken (a `_max` one the largest).
 
         With `rollout_logprobs` (the engine's, as sampled) the metrics include
         rollout_logprob_diff: the mean |engine - trainer| logprob gap before the update, which is
@@ -148,11 +149,12 @@ class PolicyWorker:
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs")
         totals: dict[str, float] = {}
+        passes = 0  # the optimizer steps taken: fewer than epochs × mini_batches with fewer episodes than parts
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
+            passes += 1
             for key, value in self._mini_batch(mini, sequences, masks, advantages, old_logprobs, ref_logprobs,
                                                rollout_logprobs).items():
                 totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0.0) + value
-        passes = self.ppo_epochs * self.mini_batches
         metrics = {key: value if key.endswith("_max") else value / passes for key, value in totals.items()}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()

@@ -81,11 +81,12 @@ def run_sft(config) -> str:
     from agentrl.data import arithmetic_demonstrations, conversation_file
     from agentrl.hardware import choose_dtype
     from agentrl.models import load_model, load_tokenizer
-    from agentrl.trainer.checkpoint import save_model
+    from agentrl.trainer.checkpoint import check_replaceable, save_model
     from agentrl.tools.loader import load_tool_files
 
     print(to_yaml(config), file=sys.stderr)
     s = config.sft
+    check_replaceable(s.output, "sft.output")  # before anything loads: the save replaces the directory
     tools = load_tool_files(config.rollout.tool_configs)
     conversations = (arithmetic_demonstrations(s.num_examples, s.seed, s.min_digits, s.max_digits,
                                                config.rollout.system_prompt)
