@@ -21,6 +21,9 @@ RECIPE_COMMANDS = {
 # the device keys each command puts models on (SFT trains on the CPU): a CUDA one must exist
 DEVICE_KEYS = {"train": ("engine.device", "trainer.device"), "sft": (), "eval": ("engine.device",),
                "rollout": ("engine.device",), "serve": ("engine.device",)}
+# the directories each command writes its results to: checked before any work, which they would end
+OUTPUT_KEYS = {"train": ("output_dir",), "sft": ("sft.output",), "eval": ("output_dir",),
+               "rollout": ("output_dir",), "serve": ()}
 
 
 def _recipe_command(args: argparse.Namespace) -> int:
@@ -31,7 +34,7 @@ def _recipe_command(args: argparse.Namespace) -> int:
     module, function, _ = RECIPE_COMMANDS[args.command]
     # a bad recipe stops before any heavy import
     config = load_recipe(args.recipe, args.overrides, for_training=args.command == "train",
-                         devices=DEVICE_KEYS[args.command])
+                         devices=DEVICE_KEYS[args.command], outputs=OUTPUT_KEYS[args.command])
     _allocator()
     getattr(importlib.import_module(module), function)(config)
     return 0
@@ -47,11 +50,12 @@ def _allocator() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from agentrl.recipe import load_recipe
+    from agentrl.recipe import load_recipe, to_yaml
 
     # a bad recipe stops before the model loads
     config = load_recipe(args.recipe, args.overrides, devices=DEVICE_KEYS["serve"])
     _allocator()
+    print(to_yaml(config), file=sys.stderr)  # the effective config, as the other recipe commands print it
     from agentrl.serve.server import run_serve
 
     run_serve(config, args.host, args.port)

@@ -1,6 +1,10 @@
-"""Tasks for rollouts: rows from `datasets` (jsonl, parquet, a hub id) or generated arithmetic.
+"""Tasks for rollouts: rows of jsonl files, of other files or a hub id through `datasets`, or
+generated arithmetic; and conversations for SFT.
 
-The generator needs no files: word problems whose numbers are too large to multiply in the head,
+JSONL is read here, line by line, so that a bad line is a ConfigError naming its file and line, and
+every row and conversation is checked when read (the prompt and answer there, chat messages as a
+template takes them): a mistake stops the command before a model loads, not in an episode or a
+template later. The generator needs no files: word problems whose numbers are too large to multiply in the head,
 with GSM8K-style answers ('#### <number>'), so the same rewards and tools apply to both sources.
 """
 
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,47 +50,154 @@ def _number(rng: random.Random, digits: int) -> int:
     return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 
 
+BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}  # file suffix → datasets builder
+
+
 def dataset_tasks(source: str, files: list[str], split: str, prompt_key: str, answer_key: str | None,
                   id_key: str | None = None, limit: int | None = None, files_key: str = "data.files") -> list[Task]:
-    """Rows of a jsonl/json/parquet/csv file set, or of a hub dataset id, as Tasks; problems with the
-    files are ConfigErrors naming `files_key`, the recipe key that lists them."""
-    import datasets
-
+    """The first `limit` rows of a jsonl/json/parquet/csv file set, or of a hub dataset id, as Tasks;
+    problems with the files are ConfigErrors naming `files_key`, the recipe key that lists them. A
+    bad row names its file and line in jsonl files (read here, every line checked) or its row number
+    among the rows read by `datasets`."""
+    keys = (prompt_key, answer_key, id_key)
     if source == "files":
-        if not files:
-            raise ConfigError(f"{files_key}: source 'files' needs at least one file")
-        for f in files:
-            if not Path(f).is_file():
-                raise ConfigError(f"{files_key}: '{f}' not found")
-        suffix = Path(files[0]).suffix.lstrip(".")
-        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(suffix)
-        if builder is None:
-            raise ConfigError(f"{files_key}: '{files[0]}' is not .jsonl, .json, .parquet or .csv")
-        if all(Path(f).stat().st_size == 0 for f in files):
-            return []  # datasets cannot even infer a schema from empty files
-        try:
-            ds = datasets.load_dataset(builder, data_files=files, split="train")
-        except Exception as e:  # a malformed file: name it, without datasets' traceback
-            raise ConfigError(f"{files_key}: cannot read {files} ({type(e).__name__}: "
-                              f"{(str(e).splitlines() or [''])[0]})") from None
+        suffix = _files_format(files, files_key)
+        if suffix == "jsonl":
+            tasks = []
+            for i, (where, row) in enumerate(_jsonl_rows(files)):
+                task = _row_task(row, where, i, *keys)
+                if limit is None or i < limit:
+                    tasks.append(task)
+            return tasks
+        ds, label = _load_dataset(BUILDERS[suffix], "train", files, files_key, limit), f"{files_key} row"
     else:
-        try:
-            ds = datasets.load_dataset(source, split=split)
-        except Exception as e:
-            raise ConfigError(f"data.source: cannot load dataset '{source}' ({str(e).splitlines()[0]})") from None
-    if limit is not None:
-        ds = ds.select(range(min(limit, len(ds))))
-    for key in (prompt_key, answer_key, id_key):
+        ds, label = _load_dataset(source, split, limit=limit), f"data.source '{source}' row"
+    for key in keys if len(ds) else ():
         if key is not None and key not in ds.column_names:
             raise ConfigError(f"data: column '{key}' not in {ds.column_names}")
-    return [_row_task(row, i, prompt_key, answer_key, id_key) for i, row in enumerate(ds)]
+    return [_row_task(row, f"{label} {i + 1}", i, *keys) for i, row in enumerate(ds)]
 
 
-def _row_task(row: dict[str, Any], index: int, prompt_key: str, answer_key: str | None, id_key: str | None) -> Task:
-    answer = row[answer_key] if answer_key else None
-    return Task(id=str(row[id_key]) if id_key else f"row-{index}", prompt=row[prompt_key],
-                answer=None if answer is None else str(answer),
-                tool_kwargs=row.get("tool_kwargs") or {}, metadata={"row": index})
+def _files_format(files: list[str], files_key: str) -> str:
+    """The one suffix of `files` (jsonl, json, parquet or csv), or a ConfigError naming `files_key`."""
+    if not files:
+        raise ConfigError(f"{files_key}: source 'files' needs at least one file")
+    suffixes = [Path(f).suffix.lstrip(".") for f in files]
+    for f, suffix in zip(files, suffixes):
+        if not Path(f).is_file():
+            raise ConfigError(f"{files_key}: '{f}' not found")
+        if suffix not in BUILDERS:
+            raise ConfigError(f"{files_key}: '{f}' is not .jsonl, .json, .parquet or .csv")
+        if suffix != suffixes[0]:
+            raise ConfigError(f"{files_key}: '{f}' is .{suffix} but '{files[0]}' is .{suffixes[0]}; "
+                              "the files are read as one table of one format")
+    return suffixes[0]
+
+
+def _jsonl_rows(files: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """('file:line', row) for every row of jsonl files, so that a bad row names its file and line."""
+    for f in files:
+        for number, row in jsonl_objects(f):
+            yield f"{f}:{number}", row
+
+
+def _load_dataset(name: str, split: str, files: list[str] | None = None, files_key: str = "",
+                  limit: int | None = None) -> Any:
+    """The first `limit` rows of a `datasets` split: `name` a builder ('parquet', ...) reading
+    `files`, or a hub dataset id."""
+    import datasets
+
+    if files is not None and all(Path(f).stat().st_size == 0 for f in files):
+        return []  # datasets cannot even infer a schema from empty files
+    try:
+        ds = (datasets.load_dataset(name, split=split) if files is None
+              else datasets.load_dataset(name, data_files=files, split=split))
+    except Exception as e:  # a malformed file or a missing dataset: name it, without datasets' traceback
+        first = (str(e).splitlines() or [""])[0]
+        if files is None:
+            raise ConfigError(f"data.source: cannot load dataset '{name}' ({first})") from None
+        raise ConfigError(f"{files_key}: cannot read {files} ({type(e).__name__}: {first})") from None
+    return ds.select(range(min(limit, len(ds)))) if limit is not None else ds
+
+
+def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answer_key: str | None,
+              id_key: str | None) -> Task:
+    """One row as a Task, or a ConfigError naming the row (`where`) and the key at fault."""
+    prompt = _required(row, prompt_key, where)
+    if isinstance(prompt, list):
+        check_messages(prompt, f"{where}: '{prompt_key}'")
+    elif not isinstance(prompt, str):
+        raise ConfigError(f"{where}: '{prompt_key}' must be text or a list of chat messages, not {_kind(prompt)}")
+    answer = None
+    if answer_key:
+        answer = _required(row, answer_key, where, "data.answer_key: null runs tasks without answers")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise ConfigError(f"{where}: '{answer_key}' must be text or a number, not {_kind(answer)}")
+    if id_key:
+        _required(row, id_key, where)
+    tool_kwargs = row.get("tool_kwargs") or {}
+    if not isinstance(tool_kwargs, dict) or not all(isinstance(v, dict) for v in tool_kwargs.values()):
+        raise ConfigError(f"{where}: 'tool_kwargs' must map tool names to mappings of create() arguments")
+    return Task(id=str(row[id_key]) if id_key else f"row-{index}", prompt=prompt,
+                answer=None if answer is None else str(answer), tool_kwargs=tool_kwargs, metadata={"row": index})
+
+
+def _required(row: dict[str, Any], key: str, where: str, hint: str = "") -> Any:
+    """row[key], or a ConfigError naming the row: the key is missing (the row's keys are listed, for
+    a recipe that names another column) or null."""
+    if key not in row:
+        has = ", ".join(map(repr, row)) or "no keys"
+        raise ConfigError(f"{where}: missing '{key}' (the row has {has}{'; ' + hint if hint else ''})")
+    if row[key] is None:
+        raise ConfigError(f"{where}: '{key}' is null{f' ({hint})' if hint else ''}")
+    return row[key]
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping", list: "a list"}.get(
+        type(value), type(value).__name__)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: Any, where: str) -> None:
+    """Chat messages as a chat template takes them, or a ConfigError naming `where` and the message:
+    a non-empty list of objects, each with a role among ROLES and text content (an assistant message
+    with tool calls may have none), tool calls each with a function name and an object of arguments."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: expected a non-empty list of chat messages")
+    for i, m in enumerate(messages, start=1):
+        if not isinstance(m, dict):
+            raise ConfigError(f"{where}: message {i} is not a JSON object")
+        if "role" not in m:
+            raise ConfigError(f"{where}: message {i} has no 'role'")
+        if m["role"] not in ROLES:
+            raise ConfigError(f"{where}: message {i}: role {m['role']!r} is not one of {', '.join(ROLES)}")
+        label, content = f"{where}: message {i} ({m['role']})", m.get("content")
+        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ConfigError(f"{label} has no 'content'")
+        if content is not None and not isinstance(content, str):
+            raise ConfigError(f"{label}: 'content' must be text, not {_kind(content)}")
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], label)
+
+
+def _check_tool_calls(calls: Any, label: str) -> None:
+    if not isinstance(calls, list):
+        raise ConfigError(f"{label}: 'tool_calls' must be a list")
+    for j, call in enumerate(calls, start=1):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ConfigError(f"{label}: tool call {j} has no function name")
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            raise ConfigError(f"{label}: tool call {j} ('{fn['name']}'): the arguments are not a JSON object")
 
 
 def arithmetic_demonstrations(n: int, seed: int, min_digits: int, max_digits: int,
@@ -105,31 +217,50 @@ def arithmetic_demonstrations(n: int, seed: int, min_digits: int, max_digits: in
     return conversations
 
 
-def jsonl_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-empty line of a JSONL file; a line that is not a JSON
-    object is a ConfigError naming the file and the line."""
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+def jsonl_objects(path: str | Path, cut_short_end: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-empty line of a JSONL file; a line that is not UTF-8 or not
+    a JSON object is a ConfigError naming the file and the line. Lines end at newline characters only:
+    JSON text may hold U+2028 and the other characters str.splitlines() also splits at.
+
+    With `cut_short_end` (files a run appends to), a last line that has no newline and does not
+    parse, as a process killed while writing it leaves it, is skipped with a warning."""
+    lines = Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n")  # a UTF-8 BOM is no text
+    for number, raw in enumerate(lines, start=1):
         try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
             row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if cut_short_end and number == len(lines):
+                print(f"agentrl: {path}:{number}: the last line is cut short (the run stopped while writing it); "
+                      "skipped", file=sys.stderr)
+                return
+            problem = (f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                       if isinstance(e, UnicodeDecodeError) else f"not valid JSON ({e.msg})")
+            raise ConfigError(f"{path}:{number}: {problem}") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{path}:{number}: expected a JSON object")
         yield number, row
 
 
 def conversation_file(path: str) -> list[list[dict[str, Any]]]:
-    """A jsonl file with one {"messages": [...]} object per line."""
+    """A jsonl file with one {"messages": [...]} object per line, each conversation checked
+    (check_messages) and opening with a system or user message before an assistant turn to learn."""
     if not Path(path).is_file():
         raise ConfigError(f"sft.data: '{path}' not found")
     conversations = []
     for number, row in jsonl_objects(path):
         messages = row.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        if not isinstance(messages, list):
             raise ConfigError(f"{path}:{number}: expected a JSON object with a 'messages' list")
-        if not any(m.get("role") == "assistant" for m in messages):
+        check_messages(messages, f"{path}:{number}")
+        if messages[0]["role"] not in ("system", "user"):
+            raise ConfigError(f"{path}:{number}: the conversation opens with role '{messages[0]['role']}'; "
+                              "it must open with a system or user message")
+        if not any(m["role"] == "assistant" for m in messages):
             raise ConfigError(f"{path}:{number}: the conversation has no assistant turn to learn from")
         conversations.append(messages)
+    if not conversations:
+        raise ConfigError(f"sft.data: no conversations: '{path}' has no rows")
     return conversations

@@ -109,9 +109,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, needs_to
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model '{name_or_path}': not a local model directory, not a builtin "
-                          f"({', '.join(BUILTIN_MODELS)}), and loading it as a hub id failed "
-                          f"({str(e).splitlines()[0]})") from None
+        raise tokenizer_error(name_or_path, e) from None
     if chat_template in TEMPLATES:
         tokenizer.chat_template = builtin_template(chat_template)
     elif chat_template is not None:
@@ -125,6 +123,24 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, needs_to
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_error(name_or_path: str, e: Exception) -> ConfigError:
+    """Why no tokenizer loaded from `name_or_path`: a directory without one (a run directory, whose
+    final/ holds the model, is the usual mistake), one whose tokenizer failed, or no directory at all."""
+    cause = (str(e).splitlines() or [type(e).__name__])[0]
+    directory = Path(name_or_path)
+    if not directory.is_dir():
+        return ConfigError(f"model '{name_or_path}': not a local model directory, not a builtin "
+                           f"({', '.join(BUILTIN_MODELS)}), and loading it as a hub id failed ({cause})")
+    if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return ConfigError(f"model '{name_or_path}': loading the directory's tokenizer failed ({cause})")
+    final = directory / "final"
+    hint = f" (a run directory? its final/ holds one: {final})" if (final / "config.json").is_file() else ""
+    return ConfigError(f"model '{name_or_path}': the directory holds no model or tokenizer{hint}")
 
 
 def read_template(path: str) -> str:
@@ -151,6 +167,8 @@ def load_model(name_or_path: str, dtype: str = "float32"):
 
     path = resolve_model(name_or_path)
     adapter = Path(path) / "adapter_config.json"
+    if Path(path).is_dir() and not adapter.is_file() and not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model '{name_or_path}': the directory holds no model (no config.json)")
     try:
         if adapter.is_file():
             from agentrl.trainer.lora import load_merged

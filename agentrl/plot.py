@@ -40,14 +40,15 @@ class Run:
 
 
 def read_run(run_dir: str | Path) -> list[dict[str, float]]:
-    """The lines of a run's metrics.jsonl, each with a 'step' (its line number when it has none)."""
+    """The lines of a run's metrics.jsonl, each with a 'step' (its line number when it has none); a
+    last line cut short by a run that stopped while writing it is skipped with a warning."""
     path = Path(run_dir) / "metrics.jsonl"
     if not Path(run_dir).is_dir():
         raise ConfigError(f"{run_dir}: no such run directory")
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl (written by agentrl train)")
     rows = []
-    for _, row in jsonl_objects(path):
+    for _, row in jsonl_objects(path, cut_short_end=True):
         rows.append({**row, "step": row.get("step", len(rows) + 1)})
     if not rows:
         raise ConfigError(f"{path}: no steps logged")
@@ -127,7 +128,12 @@ def run_plot(run_dirs: list[str | Path], out: str | Path | None = None) -> dict[
 
     runs = [Run(label, read_run(d)) for label, d in zip(labels_for(run_dirs), run_dirs)]
     out_dir = Path(out) if out else Path(run_dirs[0]) / "plots"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out: '{out_dir}' is a file, not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a file where a parent directory would be
+        raise ConfigError(f"--out: cannot make directory '{out_dir}' ({e.strerror}: '{e.filename}')") from None
     written: dict[Path, list[tuple[str, str]]] = {}
     for name, (title, keys) in LINE_PANELS.items():
         if drawn := _line_panel(plt, title, keys, runs, out_dir / f"{name}.png"):

@@ -1,15 +1,18 @@
 """Reading a recipe: a YAML file plus dotted `key=value` overrides, validated against the schema in
 config.py into one RecipeConfig, or a one-line ConfigError naming the file and the key, raised
 before any model, tool or dataset is loaded. Also the checks `agentrl train` adds (settings that
-load but cannot train), the check that a CUDA device the recipe names exists, the YAML a run
-writes beside its outputs, and the README's recipe reference, generated from the schema's field
-descriptions (`python -m agentrl.recipe`).
+load but cannot train), the checks that a CUDA device the recipe names exists and that its output
+directories can be written to, the YAML a run writes beside its outputs, and the README's recipe
+reference, generated from the schema's field descriptions (`python -m agentrl.recipe`).
 
-Recipe files are read with yaml_files.load_yaml (UTF-8, no key repeated in a mapping).
+Recipe files and override values are read with yaml_files' loader (UTF-8, no key repeated in a
+mapping); overrides apply in order (a later one wins), and a mapping given for a section is merged
+into it.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from agentrl.config import RecipeConfig, value_types
 from agentrl.errors import ConfigError
-from agentrl.yaml_files import load_yaml, one_line
+from agentrl.yaml_files import RepeatedKey, UniqueKeyLoader, load_yaml, one_line
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
@@ -59,19 +62,21 @@ def field_annotation(parts: list[str]) -> Any:
 
 
 def override_value(override: str, key: str, raw: str) -> Any:
-    """The value of `key=raw` as its field reads it. Text fields take the raw text verbatim (YAML
-    would cut 'C# #1 priority' at a comment and read '#1 rule' as null); number fields take it as
-    decimal text for the schema to parse (YAML 1.1 reads '1:00' as 60, '0x10' as 16); lists,
-    mappings, booleans, choices and unknown keys are YAML ('[a, b]', 'true')."""
+    """The value of `key=raw` as its field reads it. A quoted YAML scalar ('"Be brief."') is its text,
+    for every field. Otherwise text fields take the raw text verbatim (YAML would cut 'C# #1 priority'
+    at a comment, read '#1 rule' as null and 'yes' as true); number fields take it as decimal text for
+    the schema to parse (YAML 1.1 reads '1:00' as 60, '0x10' as 16); lists, mappings, booleans,
+    choices and unknown keys are YAML ('[a, b]', 'true'), with no key repeated in a mapping."""
     types, nullable = value_types(field_annotation(key.split(".")))
     if not raw.strip() or (nullable and raw.strip() in NULLS):
         return None
-    if types == {str}:
-        return raw
-    if types and types <= {int, float}:
-        return raw.strip()
+    if types == {str} or (types and types <= {int, float}):
+        quoted = quoted_text(raw)
+        return quoted if quoted is not None else raw if types == {str} else raw.strip()
     try:
-        value = yaml.safe_load(raw)
+        value = yaml.load(raw, Loader=UniqueKeyLoader)
+    except RepeatedKey as e:
+        raise ConfigError(f"override '{override}': key '{e.key}' appears twice in the value") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"override '{override}': the value is not valid YAML ({one_line(e)})") from None
     if value is None and raw.strip() not in NULLS:
@@ -80,8 +85,42 @@ def override_value(override: str, key: str, raw: str) -> Any:
     return value
 
 
+def quoted_text(raw: str) -> str | None:
+    """The text of a YAML scalar in single or double quotes ('"a # b"' → 'a # b'); None for
+    anything else (text that merely has quotes inside it, like '"a" or "b"', is no scalar)."""
+    text = raw.strip()
+    if len(text) < 2 or text[0] not in "'\"" or text[-1] != text[0]:
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def is_section(parts: list[str]) -> bool:
+    """Whether the dotted path names a section of the recipe (a mapping of fields)."""
+    types, _ = value_types(field_annotation(parts))
+    return any(isinstance(t, type) and issubclass(t, BaseModel) for t in types)
+
+
+def merge_section(target: dict[str, Any], value: dict[Any, Any], parts: list[str]) -> None:
+    """Set `value`'s keys in the section `target` (at `parts`), recursing into subsections, so keys
+    the override does not name keep the recipe's values."""
+    for key, item in value.items():
+        path = parts + [str(key)]
+        if isinstance(item, dict) and is_section(path):
+            if not isinstance(target.get(key), dict):
+                target[key] = {}
+            merge_section(target[key], item, path)
+        else:
+            target[key] = item
+
+
 def apply_override(data: dict[str, Any], override: str) -> None:
-    """Set `a.b.c=value` in nested dicts, the value read as the field's type (override_value)."""
+    """Set `a.b.c=value` in nested dicts, the value read as the field's type (override_value); a
+    mapping given for a section is merged into it (merge_section). A key set again (scripts append
+    to a base list of overrides) takes the later value."""
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{override}': expected key=value")
@@ -92,7 +131,13 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override '{override}': '{'.'.join(parts[: i + 1])}' is not a section")
         node = child
-    node[parts[-1]] = override_value(override, key, raw)
+    value = override_value(override, key, raw)
+    if isinstance(value, dict) and is_section(parts):
+        if not isinstance(node.get(parts[-1]), dict):
+            node[parts[-1]] = {}
+        merge_section(node[parts[-1]], value, parts)
+    else:
+        node[parts[-1]] = value
 
 
 def read_recipe_file(path: str | Path) -> dict[str, Any]:
@@ -121,6 +166,20 @@ def check_devices(config: RecipeConfig, keys: tuple[str, ...]) -> None:
             raise ConfigError(f"{key}: '{device}' is not available (torch {torch.__version__} sees {seen})")
 
 
+def check_output_dirs(config: RecipeConfig, keys: tuple[str, ...]) -> None:
+    """Each directory named at `keys` (dotted) can be made and written to: it is no file, no parent
+    of it is a file, and the nearest one that exists is writable; or a ConfigError naming the key,
+    before a run's work rather than after it. Nothing is created here."""
+    for key in keys:
+        path = Path(config_value(config, key))
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            where = "" if existing == path else f" cannot be created: '{existing}'"
+            raise ConfigError(f"{key}: '{path}'{where} is a file, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}: '{existing}' is not writable")
+
+
 def config_value(config: BaseModel, key: str) -> Any:
     value: Any = config
     for part in key.split("."):
@@ -129,10 +188,11 @@ def config_value(config: BaseModel, key: str) -> Any:
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training: bool = False,
-                devices: tuple[str, ...] = ()) -> RecipeConfig:
+                devices: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> RecipeConfig:
     """Recipe file + overrides → validated config, or a one-line ConfigError (naming the file).
     With `for_training`, combinations that cannot train are rejected too (check_training); the
-    CUDA devices named at the dotted keys `devices` must exist (check_devices)."""
+    CUDA devices named at the dotted keys `devices` must exist (check_devices), and the
+    directories named at `outputs` must be ones the run can write to (check_output_dirs)."""
     source = str(path) if path else "<defaults>"
     data = read_recipe_file(path) if path is not None else {}
     for override in overrides:
@@ -145,6 +205,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training
         if for_training:
             check_training(config)
         check_devices(config, devices)
+        check_output_dirs(config, outputs)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     return config
@@ -165,6 +226,16 @@ def describe_error(e: ValidationError) -> str:
 
 def to_yaml(config: RecipeConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def run_config_yaml(config: RecipeConfig) -> str:
+    """What `train`, `rollout` and `eval` write to <output_dir>/config.yaml: the effective recipe, with a
+    model.path that names a local directory made absolute, so that `agentrl view` finds the
+    tokenizer from any working directory (a relative path meant the one the run started in)."""
+    data = config.model_dump(mode="json")
+    if Path(config.model.path).is_dir():
+        data["model"]["path"] = str(Path(config.model.path).resolve())
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def reference_markdown() -> str:

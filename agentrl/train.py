@@ -21,7 +21,7 @@ import torch
 
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig
-from agentrl.recipe import check_training, to_yaml
+from agentrl.recipe import check_training, run_config_yaml, to_yaml
 from agentrl.errors import RunFailed
 from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
@@ -118,7 +118,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
         load_agent(config)
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    (run_dir / "config.yaml").write_text(run_config_yaml(config))
     roles = start_roles(config, tokenizer)
     try:
         history = run_steps(config, roles, pool, run_dir)

@@ -57,16 +57,20 @@ def trajectory_files(run_dir: Path) -> list[tuple[Path, str, int | None]]:
 
 
 def load_trajectories(run_dir: Path, steps: set[int] | None = None) -> list[dict[str, Any]]:
-    """Every trajectory of the run (of `steps` only, if given), each with 'step' and 'source' set."""
+    """Every trajectory of the run (of `steps` only, if given), each with 'step' and 'source' set.
+    A training step's file is read only when its step is wanted; a last line cut short by a run
+    that stopped while writing it is skipped with a warning (jsonl_objects)."""
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such run directory")
     sources = trajectory_files(run_dir)
     if not sources:
         raise ConfigError(f"{run_dir}: no trajectory files (trajectories/step_N.jsonl, rollout.jsonl, eval_*.jsonl)")
     records: list[dict[str, Any]] = []
-    present: set[int] = set()
+    present = {file_step for _, _, file_step in sources if file_step is not None}
     for path, source, file_step in sources:
-        for number, record in jsonl_objects(path):
+        if steps is not None and file_step is not None and file_step not in steps:
+            continue
+        for number, record in jsonl_objects(path, cut_short_end=True):
             missing = [key for key in _REQUIRED if key not in record]
             if missing:
                 raise ConfigError(f"{path}:{number}: not a trajectory (missing {', '.join(missing)})")
@@ -82,19 +86,29 @@ def load_trajectories(run_dir: Path, steps: set[int] | None = None) -> list[dict
 
 
 def run_model(run_dir: Path, model: str | None) -> str:
-    """The tokenizer to decode with: --model, else model.path of the run's config.yaml."""
+    """The tokenizer to decode with: --model, else model.path of the run's config.yaml. A relative
+    path there meant the directory the run started in: where it is no directory from here, it is
+    taken relative to that one, found by matching the config's relative output_dir with run_dir."""
     if model:
         return model
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise ConfigError(f"{run_dir}: no config.yaml to take model.path from; pass --model")
     try:
-        path = (yaml.safe_load(config_path.read_text()) or {}).get("model", {}).get("path")
+        config = yaml.safe_load(config_path.read_text()) or {}
+        path, output_dir = config.get("model", {}).get("path"), config.get("output_dir")
     except (yaml.YAMLError, AttributeError):
         raise ConfigError(f"{config_path}: not a recipe mapping with model.path; pass --model") from None
     if not path:
         raise ConfigError(f"{config_path}: no model.path; pass --model")
-    return str(path)
+    path = str(path)
+    if Path(path).is_absolute() or Path(path).is_dir() or not isinstance(output_dir, str):
+        return path
+    parts, here = Path(output_dir).parts, run_dir.resolve().parts
+    if Path(output_dir).is_absolute() or ".." in parts or here[len(here) - len(parts):] != parts:
+        return path
+    started_in = Path(*here[:len(here) - len(parts)])
+    return str(started_in / path) if (started_in / path).is_dir() else path
 
 
 def token_pieces(tokenizer: Any, ids: list[int], cache: dict[int, str]) -> list[str]:
@@ -189,11 +203,20 @@ def run_view(run_dir: str | Path, steps: str | None = None, out: str | Path | No
     from agentrl.models import load_tokenizer
 
     run_dir = Path(run_dir)
-    records = load_trajectories(run_dir, parse_steps(steps))
-    tokenizer = load_tokenizer(run_model(run_dir, model))
     out_path = Path(out) if out else run_dir / "view.html"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(build_page(run_dir.resolve().name, records, tokenizer), encoding="utf-8")
+    if out_path.is_dir():
+        raise ConfigError(f"--out: '{out_path}' is a directory; give a file name, e.g. {out_path / 'view.html'}")
+    records = load_trajectories(run_dir, parse_steps(steps))
+    name = run_model(run_dir, model)
+    try:
+        tokenizer = load_tokenizer(name)
+    except ConfigError as e:
+        raise ConfigError(e if model else f"{e}; it is model.path of {run_dir / 'config.yaml'}: pass --model") from None
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(build_page(run_dir.resolve().name, records, tokenizer), encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"--out: cannot write '{out_path}' ({e.strerror}: '{e.filename}')") from None
     shown = sorted({r["step"] for r in records})
     print(f"wrote {out_path} ({len(records)} trajectories, steps {', '.join(map(str, shown))})")
     return out_path

@@ -15,6 +15,7 @@ from agentrl.errors import ConfigError
 class RepeatedKey(yaml.YAMLError):
     def __init__(self, key: Any, first_line: int, line: int):
         super().__init__(f"key '{key}' appears twice (lines {first_line} and {line})")
+        self.key = key
 
 
 class UniqueKeyLoader(yaml.SafeLoader):

@@ -271,3 +271,53 @@ def test_tools_serve_refuses_a_port_out_of_range(capsys):
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "agentrl tools serve: error: argument --port: '70000' is not a port number (0-65535; 0 picks a free one)")
+
+
+@pytest.mark.parametrize("override,value", [
+    ('rollout.system_prompt="Be brief."', "Be brief."), ("rollout.system_prompt='it''s # one'", "it's # one"),
+    ('rollout.system_prompt="yes"', "yes"), ('rollout.system_prompt=""', ""),
+    ('rollout.system_prompt="a" or "b"', '"a" or "b"'),  # quotes inside text are no YAML scalar: verbatim
+])
+def test_a_quoted_text_override_is_its_yaml_scalar(override, value):
+    config = load_recipe("recipes/quickstart.yaml", [override, 'data.files=["a b.jsonl"]', 'trainer.steps="5"'])
+    assert (config.rollout.system_prompt, config.data.files, config.trainer.steps) == (value, ["a b.jsonl"], 5)
+
+
+def test_a_key_repeated_inside_an_override_value_is_an_error():
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/quickstart.yaml", ["data.arithmetic={min_digits: 1, min_digits: 4}"])
+    assert str(err.value) == ("override 'data.arithmetic={min_digits: 1, min_digits: 4}': key 'min_digits' "
+                              "appears twice in the value")
+
+
+def test_a_key_set_again_by_a_later_override_takes_the_later_value():
+    """Scripts append to a base list of overrides; the last word is the one that counts."""
+    config = load_recipe("recipes/quickstart.yaml", ["trainer.steps=1", "trainer.steps=5", "rollout={group_size: 2}",
+                                                     "rollout.group_size=3", "data.arithmetic.min_digits=1",
+                                                     "data={arithmetic: {max_digits: 2}}"])
+    assert (config.trainer.steps, config.rollout.group_size) == (5, 3)
+    assert (config.data.arithmetic.min_digits, config.data.arithmetic.max_digits) == (1, 2)
+
+
+def test_a_mapping_override_is_merged_into_its_section():
+    config = load_recipe("recipes/quickstart.yaml", ["rollout={group_size: 2, max_turns: 5}", "rollout.temperature=0.5",
+                                                     "data={arithmetic: {min_digits: 1}}"])
+    r, d = config.rollout, config.data
+    assert (r.group_size, r.max_turns, r.temperature) == (2, 5, 0.5)
+    assert r.tool_configs == ["tool_configs/calculator.yaml"] and r.system_prompt.startswith("Solve the problem.")
+    assert (d.source, d.num_tasks, d.arithmetic.min_digits, d.arithmetic.max_digits) == ("arithmetic", 256, 1, 4)
+    config = load_recipe("recipes/quickstart.yaml", ["engine.sglang.extra_args={a: 1}"])
+    assert config.engine.sglang.extra_args == {"a": 1}  # a mapping field, not a section: set as given
+
+
+def test_an_output_directory_that_cannot_be_made_stops_the_command_first(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for command, key, value, message in [
+        ("rollout", "output_dir", tmp_path / "afile", f"'{tmp_path / 'afile'}' is a file, not a directory"),
+        ("eval", "output_dir", tmp_path / "afile" / "run",
+         f"'{tmp_path / 'afile' / 'run'}' cannot be created: '{tmp_path / 'afile'}' is a file, not a directory"),
+        ("sft", "sft.output", tmp_path / "afile", f"'{tmp_path / 'afile'}' is a file, not a directory")]:
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", command, "recipes/quickstart.yaml",
+                               f"{key}={value}", "model.path=/nonexistent", "sft.base_model=/nonexistent"],
+                              capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stderr) == (2, f"agentrl: error: recipes/quickstart.yaml: {key}: {message}\n")

@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from agentrl.data import arithmetic_tasks, dataset_tasks
+from agentrl.data import arithmetic_tasks, conversation_file, dataset_tasks, jsonl_objects
 from agentrl.errors import ConfigError
-from agentrl.models import load_tokenizer
+from agentrl.models import load_model, load_tokenizer
+
+GOOD_ROW = '{"question": "What is 2 + 1?", "answer": "#### 3"}\n'
 
 
 def test_arithmetic_tasks_are_deterministic_and_correct():
@@ -31,10 +34,124 @@ def test_jsonl_rows_with_field_mapping(tmp_path):
     path.write_text("\n".join(json.dumps({"q": f"question {i}", "a": f"#### {i}", "uid": f"u{i}"}) for i in range(5)))
     tasks = dataset_tasks("files", [str(path)], "train", "q", "a", "uid", limit=3)
     assert [(t.id, t.prompt, t.answer) for t in tasks] == [(f"u{i}", f"question {i}", f"#### {i}") for i in range(3)]
-    with pytest.raises(ConfigError, match=r"data: column 'question' not in \['q', 'a', 'uid'\]"):
+    with pytest.raises(ConfigError) as err:
         dataset_tasks("files", [str(path)], "train", "question", "a")
+    assert str(err.value) == f"{path}:1: missing 'question' (the row has 'q', 'a', 'uid')"
     with pytest.raises(ConfigError, match="data.files: 'missing.jsonl' not found"):
         dataset_tasks("files", ["missing.jsonl"], "train", "q", "a")
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"answer": "#### 3"}', "3: missing 'question' (the row has 'answer')"),
+    ('{"question": "q"}',
+     "3: missing 'answer' (the row has 'question'; data.answer_key: null runs tasks without answers)"),
+    ('{"question": "q", "answer": null}', "3: 'answer' is null (data.answer_key: null runs tasks without answers)"),
+    ('{"question": 5, "answer": "#### 5"}', "3: 'question' must be text or a list of chat messages, not a number"),
+    ('{"question": "q", "answer": ["#### 5"]}', "3: 'answer' must be text or a number, not a list"),
+    ('{"question": ["a"], "answer": "#### 3"}', "3: 'question': message 1 is not a JSON object"),
+    ('{"question": [{"role": "human", "content": "a"}], "answer": "1"}',
+     "3: 'question': message 1: role 'human' is not one of system, user, assistant, tool"),
+    ('{"question": "q", "answer": "1", "tool_kwargs": {"calculator": 1}}',
+     "3: 'tool_kwargs' must map tool names to mappings of create() arguments"),
+    ('{"question": "q", "answer": "#### 3",', "3: not valid JSON (Expecting property name enclosed in double quotes)"),
+    ("[1, 2]", "3: expected a JSON object"),
+    (b'{"question": "caf\xe9", "answer": "1"}', "3: not UTF-8 text (byte 0xe9 at column 18)"),
+])
+def test_a_bad_task_row_names_its_file_and_line(tmp_path, line, message):
+    path = tmp_path / "tasks.jsonl"
+    bad = line if isinstance(line, bytes) else line.encode()
+    path.write_bytes(GOOD_ROW.encode() + b"\n" + bad + b"\n" + GOOD_ROW.encode())  # line 2 is blank
+    with pytest.raises(ConfigError) as err:  # rows past the ones used are checked too
+        dataset_tasks("files", [str(path)], "train", "question", "answer", limit=1)
+    assert str(err.value) == f"{path}:{message}"
+
+
+def test_jsonl_rows_keep_numbers_kwargs_and_line_separators_inside_strings(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    rows = [{"question": "line one\u2028line two\u0085", "answer": 42, "tool_kwargs": {"calculator": {"x": 1}}},
+            {"question": [{"role": "user", "content": "hi"}], "answer": "#### 1"}]
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    tasks = dataset_tasks("files", [str(path)], "train", "question", "answer")
+    assert [(t.prompt, t.answer, t.tool_kwargs) for t in tasks] == [
+        ("line one\u2028line two\u0085", "42", {"calculator": {"x": 1}}),
+        ([{"role": "user", "content": "hi"}], "#### 1", {})]
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n \n")
+    assert dataset_tasks("files", [str(blank)], "train", "question", "answer") == []
+
+
+def test_jsonl_from_a_run_skips_only_a_last_line_cut_short(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n{"step": 2, "reward_me')
+    with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not valid JSON"):
+        list(jsonl_objects(path))  # a user's file: every line counts
+    assert list(jsonl_objects(path, cut_short_end=True)) == [(1, {"step": 1})]
+    assert capsys.readouterr().err == (f"agentrl: {path}:2: the last line is cut short (the run stopped while "
+                                       "writing it); skipped\n")
+    path.write_bytes(b'{"step": 1}\n{"step": 2, "caf\xc3')  # cut inside a UTF-8 character
+    assert list(jsonl_objects(path, cut_short_end=True)) == [(1, {"step": 1})]
+    path.write_bytes(b'{"step": 1, "re\n{"step": 2}')  # a broken line with lines after it is no crash's
+    with pytest.raises(ConfigError, match=r"metrics.jsonl:1: not valid JSON"):
+        list(jsonl_objects(path, cut_short_end=True))
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}', "2: message 1 has no 'role'"),
+    ('{"messages": [{"role": "bogus", "content": "q"}, {"role": "assistant", "content": "x"}]}',
+     "2: message 1: role 'bogus' is not one of system, user, assistant, tool"),
+    ('{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}',
+     "2: message 1 (user): 'content' must be text, not a number"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}',
+     "2: message 2 (assistant) has no 'content'"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}',
+     "2: the conversation opens with role 'assistant'; it must open with a system or user message"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, "tool_calls": '
+     '[{"function": {"name": "calculator", "arguments": "{bad"}}]}]}',
+     "2: message 2 (assistant): tool call 1 ('calculator'): the arguments are not a JSON object"),
+    ('{"messages": []}', "2: expected a non-empty list of chat messages"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "2: the conversation has no assistant turn to learn from"),
+])
+def test_sft_conversations_are_checked_when_read(tmp_path, line, message):
+    path = tmp_path / "sft.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1 + 1"}'}}]}]}
+    path.write_text(json.dumps(good) + "\n")
+    assert conversation_file(str(path)) == [good["messages"]]
+    path.write_text(json.dumps(good) + "\n" + line + "\n")
+    with pytest.raises(ConfigError) as err:
+        conversation_file(str(path))
+    assert str(err.value) == f"{path}:{message}"
+
+
+def test_cli_stops_on_bad_data_before_loading_the_model(tmp_path):
+    tasks, conversations = tmp_path / "tasks.jsonl", tmp_path / "sft.jsonl"
+    tasks.write_text(GOOD_ROW * 2 + '{"answer": "#### 3"}\n')
+    conversations.write_text("\n")
+    for args, message in [
+        (["rollout", "recipes/rollout_cpu.yaml", "data.source=files", f"data.files=[{tasks}]", "data.num_tasks=1"],
+         f"{tasks}:3: missing 'question' (the row has 'answer')"),
+        (["sft", "recipes/quickstart.yaml", f"sft.data={conversations}", f"sft.output={tmp_path / 'sft'}"],
+         f"sft.data: no conversations: '{conversations}' has no rows")]:
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", *args, "model.path=/nonexistent",
+                               "sft.base_model=/nonexistent"], capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (2, f"agentrl: error: {message}")
+
+
+def test_a_directory_without_a_model_says_so(tmp_path, tiny_model_dir, tokenizer):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(str(run))
+    assert str(err.value) == f"model '{run}': the directory holds no model or tokenizer"
+    shutil.copytree(tiny_model_dir, run / "final", dirs_exist_ok=True)
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(str(run))
+    assert str(err.value) == (f"model '{run}': the directory holds no model or tokenizer (a run directory? "
+                              f"its final/ holds one: {run / 'final'})")
+    tokenizer.save_pretrained(tmp_path / "tokenizer_only")
+    with pytest.raises(ConfigError) as err:
+        load_model(str(tmp_path / "tokenizer_only"))
+    assert str(err.value) == f"model '{tmp_path / 'tokenizer_only'}': the directory holds no model (no config.json)"
 
 
 def test_builtin_model_has_a_tool_aware_template(smollm2_dir):

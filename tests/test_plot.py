@@ -8,7 +8,7 @@ import sys
 
 from PIL import Image
 
-from agentrl.plot import run_plot
+from agentrl.plot import read_run, run_plot
 
 BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's C0 and C1
 
@@ -74,3 +74,25 @@ def test_cli_errors_name_the_run(tmp_path):
     assert not (good / "plots").exists()  # nothing is written when one run is bad
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "plot", str(good)], capture_output=True, text=True)
     assert done.returncode == 0 and (good / "plots" / "reward.png").is_file()
+
+
+def test_a_last_line_cut_short_by_a_crash_is_skipped(tmp_path, capsys):
+    run = write_run(tmp_path / "crashed", steps=3, reward_start=0.0)
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(metrics.read_text()[:-40])  # step 3's line half written
+    assert [row["step"] for row in read_run(run)] == [1, 2]
+    assert capsys.readouterr().err == (f"agentrl: {metrics}:3: the last line is cut short (the run stopped while "
+                                       "writing it); skipped\n")
+    assert run / "plots" / "reward.png" in run_plot([run])
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path):
+    run = write_run(tmp_path / "run", steps=2, reward_start=0.0)
+    (tmp_path / "afile").write_text("")
+    for out, message in [(tmp_path / "afile", f"'{tmp_path / 'afile'}' is a file, not a directory"),
+                         (tmp_path / "afile" / "plots",
+                          f"cannot make directory '{tmp_path / 'afile' / 'plots'}' (Not a directory: "
+                          f"'{tmp_path / 'afile' / 'plots'}')")]:
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", "plot", str(run), "--out", str(out)],
+                              capture_output=True, text=True)
+        assert (done.returncode, done.stderr) == (2, f"agentrl: error: --out: {message}\n")

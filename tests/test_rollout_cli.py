@@ -1,18 +1,24 @@
-"""`agentrl rollout` end to end through the real CLI, on a tiny model saved to disk."""
+"""`agentrl rollout` and `eval` end to end through the real CLI, on a tiny model saved to disk."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import yaml
+
+from agentrl.recipe import load_recipe
+from agentrl.rollout.run import write_run_config
 
 
 def test_rollout_writes_jsonl_and_summary(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml", f"model.path={tiny_model_dir}",
+        [sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml",
+         f"model.path={os.path.relpath(tiny_model_dir)}",
          f"output_dir={out}", "data.num_tasks=3", "rollout.group_size=2", "rollout.max_new_tokens_per_turn=8",
          "rollout.tool_configs=[tool_configs/gsm8k.yaml]"],
         capture_output=True, text=True, timeout=300)
@@ -30,6 +36,36 @@ def test_rollout_writes_jsonl_and_summary(tmp_path, tiny_model_dir):
     summary = json.loads((out / "rollout_summary.json").read_text())
     assert summary["episodes"] == 6 and summary["tokens_generated"] == 48
     assert "  reward_mean              0\n" in done.stdout and "tokens_per_s" in done.stdout
+    # the effective config, with the relative model path made absolute: `view` decodes from anywhere
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["model"]["path"] == str(tiny_model_dir) and config["rollout"]["group_size"] == 2
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "view", str(out)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, f"wrote {out / 'view.html'} (6 trajectories, steps 0)\n")
+
+
+def test_eval_writes_its_config_beside_its_results_but_keeps_a_training_runs(tmp_path, tiny_model_dir):
+    args = [sys.executable, "-m", "agentrl.cli", "eval", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
+            "eval.num_tasks=2", "rollout.max_new_tokens_per_turn=4", "model.dtype=float32"]
+    done = subprocess.run(args + [f"output_dir={tmp_path / 'eval'}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "name: quickstart\n" in done.stderr  # the effective config is printed, as rollout and train print it
+    assert load_recipe(tmp_path / "eval" / "config.yaml").model.path == str(tiny_model_dir)
+    assert (tmp_path / "eval" / f"eval_{tiny_model_dir.name}.jsonl").is_file()
+    run = tmp_path / "run"  # a training run's directory: its own config.yaml stays
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "config.yaml").write_text("name: trained\n")
+    write_run_config(load_recipe("recipes/quickstart.yaml", [f"output_dir={run}"]))
+    assert (run / "config.yaml").read_text() == "name: trained\n"
+
+
+def test_eval_and_serve_print_the_effective_config_first():
+    for command in (["eval"], ["serve", "--port", "0"]):
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", *command, "recipes/rollout_cpu.yaml",
+                               "model.path=/nonexistent"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "\nname: rollout_cpu\noutput_dir: runs/rollout_cpu\n" in done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith("agentrl: error: model '/nonexistent': not a local")
 
 
 @pytest.mark.slow

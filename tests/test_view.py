@@ -16,7 +16,7 @@ from agentrl.tools.base import tool
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from agentrl.types import Task
-from agentrl.view import token_pieces
+from agentrl.view import run_model, token_pieces
 from tests.conftest import ScriptedEngine
 
 HOSTILE = "<script>document.title='pwned'</script><marquee>not markup</marquee>"
@@ -179,3 +179,47 @@ def test_steps_option_model_option_and_bad_input(run_dir, tmp_path):
     for args, message in cases:
         done = agentrl("view", *args)
         assert (done.returncode, done.stderr.strip()) == (2, message)
+
+
+def test_a_crashed_run_shows_what_was_written(run_dir, tmp_path):
+    crashed = tmp_path / "crashed"
+    shutil.copytree(run_dir, crashed)
+    step2 = crashed / "trajectories" / "step_2.jsonl"
+    first, second = step2.read_bytes().splitlines(keepends=True)
+    step2.write_bytes(first + second[:len(second) // 2])  # the second line half written
+    done = agentrl("view", str(crashed))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == f"wrote {crashed / 'view.html'} (4 trajectories, steps 0, 1, 2)\n"
+    assert done.stderr.endswith(f"agentrl: {step2}:2: the last line is cut short (the run stopped while writing it); "
+                                "skipped\n")
+    step2.write_text("not a trajectory file\n")  # --steps 1 reads no other step's file
+    done = agentrl("view", str(crashed), "--steps", "1")
+    assert (done.returncode, done.stdout) == (0, f"wrote {crashed / 'view.html'} (2 trajectories, steps 1)\n")
+
+
+def test_an_out_that_is_a_directory_or_under_a_file_is_refused(run_dir, tmp_path):
+    (tmp_path / "afile").write_text("")
+    for out, message in [
+            (tmp_path, f"--out: '{tmp_path}' is a directory; give a file name, e.g. {tmp_path / 'view.html'}"),
+            (tmp_path / "afile" / "v.html", f"--out: cannot write '{tmp_path / 'afile' / 'v.html'}' "
+                                            f"(File exists: '{tmp_path / 'afile'}')")]:
+        done = agentrl("view", str(run_dir), "--out", str(out), "--model", "smollm2-135m-instruct")
+        assert (done.returncode, done.stderr) == (2, f"agentrl: error: {message}\n")
+
+
+def test_a_relative_model_path_is_found_from_another_directory(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "runs" / "r" / "final").mkdir(parents=True)
+    run = project / "runs" / "r"
+    (run / "config.yaml").write_text("output_dir: runs/r\nmodel:\n  path: runs/r/final\n")
+    monkeypatch.chdir(tmp_path)  # not where the run started
+    assert run_model(run, None) == str(run / "final")
+    assert run_model(run, "other") == "other"
+    (run / "config.yaml").write_text("output_dir: runs/r\nmodel:\n  path: smollm2-135m-instruct\n")
+    assert run_model(run, None) == "smollm2-135m-instruct"  # no directory: a builtin or hub id, as written
+    (run / "config.yaml").write_text("output_dir: runs/r\nmodel:\n  path: runs/r/sft\n")
+    assert run_model(run, None) == "runs/r/sft"  # in neither place: as written, for the error to name
+    (run / "rollout.jsonl").write_text("")
+    done = agentrl("view", str(run))
+    assert done.returncode == 2 and done.stderr.startswith("agentrl: error: model 'runs/r/sft': not a local model ")
+    assert done.stderr.endswith(f"; it is model.path of {run / 'config.yaml'}: pass --model\n")

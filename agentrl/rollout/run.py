@@ -1,7 +1,9 @@
 """A recipe → a ready EpisodeRunner (or AgentRunner) and its tasks, and `agentrl rollout` end to end.
 
 Everything the user wrote (tool files, interaction, reward function, data settings) is loaded and
-checked before the model is, so a mistake costs no model load.
+checked before the model is, so a mistake costs no model load. `rollout` and `eval` write the
+effective recipe to <output_dir>/config.yaml as `train` does, so `agentrl view` can decode their
+trajectories.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl.config import RecipeConfig
-from agentrl.recipe import to_yaml
+from agentrl.recipe import run_config_yaml, to_yaml
 from agentrl.errors import ConfigError
 from agentrl.hardware import choose_dtype
 from agentrl.data import arithmetic_tasks, dataset_tasks
@@ -126,10 +128,24 @@ def build_runner(config: RecipeConfig, engine: Engine | None = None, files_key: 
     return runner, tasks
 
 
+def write_run_config(config: RecipeConfig) -> None:
+    """<output_dir>/config.yaml for `agentrl view` (run_config_yaml), written once the model has
+    loaded and before any episode; a training run's own (the directory holds its metrics.jsonl) is
+    kept, as eval usually writes beside it."""
+    run_dir = Path(config.output_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / "metrics.jsonl").exists():
+            (run_dir / "config.yaml").write_text(run_config_yaml(config))
+    except OSError as e:
+        raise ConfigError(f"output_dir: cannot write to '{run_dir}' ({e.strerror or e})") from None
+
+
 def run_rollout(config: RecipeConfig) -> dict[str, float]:
     """`agentrl rollout`: episodes for every task × group, written to <output_dir>/rollout.jsonl."""
     print(to_yaml(config), file=sys.stderr)
     runner, tasks = build_runner(config)
+    write_run_config(config)
     started = time.perf_counter()
     trajectories = run_episodes(runner, tasks, config.rollout.group_size, config.rollout.max_concurrent_episodes)
     summary = summarize(trajectories, time.perf_counter() - started)
@@ -145,6 +161,7 @@ def run_rollout(config: RecipeConfig) -> dict[str, float]:
 
 def run_eval(config: RecipeConfig) -> dict[str, float]:
     """`agentrl eval`: one episode per held-out task at eval.temperature; accuracy = mean outcome reward."""
+    print(to_yaml(config), file=sys.stderr)
     e = config.eval
     overrides = {"rollout": {**config.rollout.model_dump(), "temperature": e.temperature, "group_size": 1}}
     if e.files:
@@ -155,6 +172,7 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
         raise ConfigError("eval.files: held-out files are needed when data.source is not 'arithmetic'")
     eval_config = RecipeConfig.model_validate({**config.model_dump(), **overrides})
     runner, tasks = build_runner(eval_config, files_key="eval.files" if e.files else "data.files")
+    write_run_config(config)
     started = time.perf_counter()
     trajectories = run_episodes(runner, tasks, 1, config.rollout.max_concurrent_episodes)
     summary = summarize(trajectories, time.perf_counter() - started)
