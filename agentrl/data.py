@@ -224,24 +224,25 @@ def jsonl_objects(path: str | Path, cut_short_end: bool = False) -> Iterator[tup
 
     With `cut_short_end` (files a run appends to), a last line that has no newline and does not
     parse, as a process killed while writing it leaves it, is skipped with a warning."""
-    lines = Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n")  # a UTF-8 BOM is no text
-    for number, raw in enumerate(lines, start=1):
-        try:
-            line = raw.decode("utf-8")
-            if not line.strip():
-                continue
-            row = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            if cut_short_end and number == len(lines):
-                print(f"agentrl: {path}:{number}: the last line is cut short (the run stopped while writing it); "
-                      "skipped", file=sys.stderr)
-                return
-            problem = (f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
-                       if isinstance(e, UnicodeDecodeError) else f"not valid JSON ({e.msg})")
-            raise ConfigError(f"{path}:{number}: {problem}") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}:{number}: expected a JSON object")
-        yield number, row
+    with open(path, "rb") as file:  # line by line: a task file may not fit in memory twice
+        for number, raw in enumerate(file, start=1):
+            raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw  # a UTF-8 BOM is no text
+            try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                if cut_short_end and not raw.endswith(b"\n"):
+                    print(f"agentrl: {path}:{number}: the last line is cut short (the run stopped while writing "
+                          "it); skipped", file=sys.stderr)
+                    return
+                problem = (f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                           if isinstance(e, UnicodeDecodeError) else f"not valid JSON ({e.msg})")
+                raise ConfigError(f"{path}:{number}: {problem}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{number}: expected a JSON object")
+            yield number, row
 
 
 def conversation_file(path: str) -> list[list[dict[str, Any]]]:

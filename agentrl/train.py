@@ -22,12 +22,12 @@ import torch
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig
 from agentrl.recipe import check_training, run_config_yaml, to_yaml
-from agentrl.errors import RunFailed
+from agentrl.errors import ConfigError, RunFailed
 from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
 from agentrl.rollout.collect import summarize, write_jsonl
 from agentrl.rollout.run import load_driver_parts
-from agentrl.trainer.checkpoint import latest_checkpoint
+from agentrl.trainer.checkpoint import check_replaceable, latest_checkpoint
 from agentrl.trainer.critic import CriticWorker, check_critic_path
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.trainer.roles import Roles, start_roles
@@ -117,6 +117,7 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
 
         load_agent(config)
     run_dir = Path(config.output_dir)
+    check_run_dir(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(run_config_yaml(config))
     roles = start_roles(config, tokenizer)
@@ -130,6 +131,22 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
     print("reward by step: " + " ".join(f"{h['reward_mean']:.2f}" for h in history))
     print(f"saved {run_dir / 'final'}; metrics in {run_dir / 'metrics.jsonl'}")
     return history
+
+
+def check_run_dir(config: RecipeConfig, run_dir: Path) -> None:
+    """Before any model loads, what would otherwise fail or destroy something only at the end: a
+    model directory this run will save over (final/, critic/, step_N/, kept when the run resumes)
+    that holds other files, and a model or critic this run trains from inside previous/, which a
+    run starting from step 0 replaces."""
+    if not run_dir.is_dir():
+        return
+    for path in [run_dir / "final", run_dir / "critic", *(p for p in run_dir.iterdir() if STEP_MODEL.fullmatch(p.name))]:
+        check_replaceable(path)
+    previous = (run_dir / "previous").resolve()
+    for key, value in (("model.path", config.model.path), ("critic.path", config.critic.path)):
+        if value and Path(value).exists() and Path(value).resolve().is_relative_to(previous):
+            raise ConfigError(f"{key}: '{value}' is inside {run_dir / 'previous'}, which this run replaces if it "
+                              "starts from step 0; copy it elsewhere, or use another output_dir")
 
 
 STEP_MODEL = re.compile(r"step_\d+")  # a step_N/ model directory (trainer.save_every)

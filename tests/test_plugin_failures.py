@@ -289,3 +289,35 @@ def test_an_episode_out_of_turns_is_max_turns_even_when_the_last_tool_output_wou
         traj = asyncio.run(EpisodeRunner(engine, tokenizer, [wordy], parse_hermes, settings).run(
             Task(id="t", prompt="Go."), "g"))
         assert (traj.finish, traj.messages[-1]["role"] == "tool") == (finish, appended), context
+
+
+def test_a_run_that_fails_while_a_stubborn_call_is_in_flight_still_ends():
+    """The end of a run cancels what is left and waits for it, but a call that ignores its
+    cancellation only for its grace: the 2 s loop of the tool is not waited for."""
+    import pytest
+
+    log: list[str] = []
+
+    async def main():
+        env = ToolEnv([Lifecycle(log, "stubborn", execute="swallow")], ToolLimits(timeout_s=30),
+                      lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        asyncio.ensure_future(env.run_turn(ParsedTurn(calls=[ToolCall("stubborn", {})])))
+        await asyncio.sleep(0.1)
+        raise RuntimeError("the step failed")
+
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="the step failed"):
+        run_with_daemon_threads(main())
+    assert time.perf_counter() - started < 1.9 and "stubborn.execute gave up by itself" not in log
+
+
+def test_the_tool_server_releases_what_a_failed_create_made():
+    log: list[str] = []
+    failing = Lifecycle(log, "flaky", create=RuntimeError("half started"))
+    with TestClient(create_app([failing], ServerSettings(token=TOKEN)),
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        created = client.post("/instances", json={"tool": "flaky", "instance_id": "client-0002"}).json()
+        stats = client.get("/stats").json()
+    assert created == {"instance_id": None, "error": "RuntimeError: half started"}
+    assert log == ["flaky.create", "flaky.release"] and stats["live_instances"] == 0

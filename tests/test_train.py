@@ -634,3 +634,29 @@ def test_a_critic_path_that_names_nothing_stops_the_cli_before_any_model_loads(t
         "agentrl: error: critic.path: 'nosuch' is not a local directory, not a builtin (smollm2-135m-instruct), "
         "and loading it as a hub id failed (")
     assert "Loading weights" not in done.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_run_refuses_at_start_what_would_fail_or_destroy_something_at_its_end(tmp_path):
+    """A final/ holding a user's file would be refused only when the trained model is saved, and a
+    model trained from inside previous/ would be deleted when the run sets an earlier one aside."""
+    from agentrl.errors import ConfigError
+    from agentrl.recipe import load_recipe
+    from agentrl.train import check_run_dir
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "notes.txt").write_text("mine")
+    config = load_recipe("recipes/quickstart.yaml", [f"output_dir={run}"])
+    with pytest.raises(ConfigError, match=r"final holds files that are not a saved model \(notes.txt\)"):
+        check_run_dir(config, run)
+    (run / "final" / "notes.txt").unlink()
+    (run / "previous" / "final").mkdir(parents=True)
+    (run / "previous" / "final" / "config.json").write_text("{}")
+    config = load_recipe("recipes/quickstart.yaml", [f"output_dir={run}", f"model.path={run / 'previous' / 'final'}"])
+    with pytest.raises(ConfigError, match=r"model.path: '.*previous/final' is inside .*previous, which this run replaces"):
+        check_run_dir(config, run)
+    check_run_dir(load_recipe("recipes/quickstart.yaml", [f"output_dir={run}"]), run)  # an empty final/ is fine
+    (run / "step_2" / "additional_chat_templates").mkdir(parents=True)  # a tokenizer's extra templates
+    (run / "step_2" / "config.json").write_text("{}")
+    (run / "step_2" / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    check_run_dir(load_recipe("recipes/quickstart.yaml", [f"output_dir={run}"]), run)

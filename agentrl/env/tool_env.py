@@ -55,6 +55,9 @@ class ToolEnv:
             try:
                 self.instance_ids[name] = await call_plugin(t.create(instance_id, **kwargs),
                                                             self.limits.timeout_s) or instance_id
+            except asyncio.CancelledError:  # the episode is cancelled: what the create made is still freed
+                await self._quietly(t.release(instance_id))
+                raise
             except Exception as e:  # a tool that cannot start is reported at its first call
                 self.metrics["tool_lifecycle_errors"] += 1
                 self.start_errors[name] = (f"TimeoutError: no answer within {self.limits.timeout_s:g} s"

@@ -27,6 +27,7 @@ from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
 from agentrl.tools.base import Tool, finite_number
 from agentrl.tools.parsers import ParsedTurn
+from agentrl.tools.threads import call_plugin, failure_text
 from agentrl.types import SamplingParams, Task, Trajectory
 
 @dataclass
@@ -68,7 +69,7 @@ class EpisodeRunner:
         except Exception as e:
             traj.finish = "error"
             traj.metrics["error"] = 1.0
-            traj.error = f"{type(e).__name__}: {e}"
+            traj.error = failure_text(e)
         traj.metrics["episode_s"] = time.perf_counter() - started
         traj.metrics["generated_tokens"] = float(traj.num_generated)
         return traj
@@ -78,12 +79,11 @@ class EpisodeRunner:
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
                       lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
         interaction, scores, turns, fallbacks = None, [], 0, 0  # scores: the interaction's, one per reply
-        invalid_scores = 0  # replies whose score was not a finite number: left out of `scores`
         try:  # from here on, whatever fails, the tools' and the interaction's instances are released
             await env.start(uuid.uuid4().hex[:12], task)
             interaction = self.interaction_factory() if self.interaction_factory else None
-            if interaction:
-                await interaction.start(task)
+            if interaction:  # call_plugin: a sys.exit() in it fails this episode, not the run
+                await call_plugin(interaction.start(task), None)
             traj.messages = task.messages(s.system_prompt)
             traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
             while turns < s.max_turns:
@@ -106,20 +106,8 @@ class EpisodeRunner:
                 assistant, exact = self.renderer.assistant_message(traj.messages, text, parsed, completion.token_ids)
                 fallbacks += not exact  # this turn's own rendering differs from its sample
                 traj.messages.append(assistant)
-                if parsed.calls or parsed.errors:
-                    new = await env.run_turn(parsed)
-                elif interaction:
-                    reply = await interaction.respond(traj.messages)
-                    score = finite_number(reply.score)  # a NaN would poison every advantage of the group
-                    if score is None:
-                        invalid_scores += 1
-                    else:
-                        scores.append(score)
-                    if reply.done:
-                        traj.finish = "stop"
-                        break
-                    new = [{"role": "user", "content": reply.text}]
-                else:
+                new = await self._answer(env, interaction, parsed, traj.messages, scores)
+                if new is None:
                     traj.finish = "stop"
                     break
                 suffix, fell_back = self.renderer.suffix_ids(traj.token_ids, traj.messages, new)
@@ -135,10 +123,24 @@ class EpisodeRunner:
         finally:
             tool_final = await env.finish()
             if interaction:
-                await interaction.finish()
+                await call_plugin(interaction.finish(), None)
         traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks),
-                            interaction_invalid_scores=float(invalid_scores))
-        self._reward(task, traj, env.step_rewards, tool_final, scores)
+                            interaction_invalid_scores=float(scores.count(None)))
+        self._reward(task, traj, env.step_rewards, tool_final, [x for x in scores if x is not None])
+
+    @staticmethod
+    async def _answer(env: ToolEnv, interaction: Interaction | None, parsed: ParsedTurn,
+                      messages: list[dict[str, Any]], scores: list[float | None]) -> list[dict[str, Any]] | None:
+        """The messages answering an assistant turn: its tools' (for calls, malformed ones too), else
+        the interaction's reply, whose score goes to `scores` (None when it is not a finite number:
+        a NaN would poison every advantage of the group). None when the episode ends here."""
+        if parsed.calls or parsed.errors:
+            return await env.run_turn(parsed)
+        if interaction is None:
+            return None
+        reply = await call_plugin(interaction.respond(messages), None)
+        scores.append(finite_number(reply.score))
+        return None if reply.done else [{"role": "user", "content": reply.text}]
 
     def _reward(self, task: Task, traj: Trajectory, step_rewards: list[float], tool_final: float,
                 scores: list[float]) -> None:

@@ -6,7 +6,7 @@ stops at the model's own EOS ids, which the loop's stop ids normally include. Th
 are those of the temperature-scaled distribution (unscaled when greedy), as the trainer recomputes.
 
 In process, sglang.Engine runs its scheduler as child processes and drives them from an asyncio
-loop. That loop must outlive each `asyncio.run` of a rollout and also serve the trainer's
+loop. That loop must outlive each rollout's own event loop and also serve the trainer's
 synchronous calls (weight updates, memory release), so it runs in a daemon thread here, and the
 Engine's synchronous methods are pointed at that thread. Weights go over in buckets of
 `update_bucket_bytes` (as shared-memory or CUDA IPC handles, never pickled by value), then one

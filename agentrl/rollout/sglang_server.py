@@ -187,7 +187,7 @@ class SGLangServerEngine:
         self._send("GET", "/health_generate", None, timeout=min(self.timeout_s, 60.0))
 
     def _async_client(self) -> httpx.AsyncClient:
-        """One client per event loop: each rollout runs in its own asyncio.run."""
+        """One client per event loop: each rollout runs in an event loop of its own."""
         loop = asyncio.get_running_loop()
         if self._async is None or self._async[0] is not loop:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)

@@ -6,9 +6,10 @@ call blocks that parsed: a malformed block stays in it, so a client sees it and 
 builtin loop does) and `tool_calls` (OpenAI form, arguments as a JSON string). With a session id the
 turn is planned and recorded in sessions.py; without one it is served and forgotten.
 
-`logprobs` carries each sampled token's text and its own bytes: a token holding part of a UTF-8
-character decodes to U+FFFD (as OpenAI's do), and its bytes are that part, so the bytes of
-consecutive tokens join into the reply's UTF-8.
+`logprobs` carries each sampled token's text and its own bytes: in a byte-level BPE vocabulary a
+token holding part of a UTF-8 character decodes to U+FFFD (as OpenAI's do), and its bytes are that
+part, so the bytes of consecutive tokens join into the reply's UTF-8; other vocabularies give the
+bytes of each token's text.
 
 Sampling: the client's `temperature`, `top_p` and `max_tokens` apply, the recipe's values are the
 defaults. With `fixed_sampling` (agent episodes for training) the recipe's temperature and top-p

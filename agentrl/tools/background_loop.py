@@ -1,6 +1,6 @@
 """An event loop in a daemon thread, for connections that must outlive the caller's event loops.
 
-The rollout runs every step under its own `asyncio.run`, and an asyncio connection (an httpx
+The rollout runs every step under an event loop of its own, and an asyncio connection (an httpx
 pool, an MCP session with its anyio task group) belongs to the loop that opened it: reused from the
 next step's loop it fails. Remote and MCP tools therefore open their connection once on this loop
 and every episode of every step submits its calls here with `await loop.run(coro)`; cancelling the

@@ -12,7 +12,7 @@ error raises MCPToolError, which ToolEnv reports to the model.
 
 Session lifetime: one MCP session per tool-file entry, for the whole run. The SDK's session is a
 set of anyio task groups bound to the event loop and the task that entered them, while the
-rollout runs every step under a fresh `asyncio.run`. A session per event loop would restart a
+rollout runs every step under a fresh event loop. A session per event loop would restart a
 stdio server (losing its state) every step and leave sessions to be closed from loops that are
 already gone, so the session lives instead in one task on a BackgroundLoop thread, entered and
 exited there; episodes of every step submit calls to it concurrently (MCP multiplexes requests by

@@ -16,7 +16,7 @@ a create is retried like any repeatable call, and one that got no answer or was 
 timeout) is released anyway: the server may have made it after all.
 
 The httpx connection pool lives on a BackgroundLoop (see there why: every rollout step runs under a
-new `asyncio.run`), opened when the file loads and closed by `close()` or at exit.
+new event loop), opened when the file loads and closed by `close()` or at exit.
 """
 
 from __future__ import annotations

@@ -126,10 +126,10 @@ class ToolHost:
         finally:
             released = self.creating.pop(instance_id)
         tool_id = made if isinstance(made, str) and made else instance_id
-        if error is None and released:
+        if error is not None or released:  # what a failed create made is the tool's to free, as in ToolEnv
             await self.call(tool, "release", lambda: self.tools[tool].release(tool_id))
-            error = "released while it was being created"
-        elif error is None:
+            error = error or "released while it was being created"
+        else:
             self.instances[instance_id] = Live(tool, tool_id)
         return instance_id, error
 

@@ -27,12 +27,14 @@ import collections
 import concurrent.futures
 import itertools
 import threading
+import weakref
 from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 _names = itertools.count(1)
 GRACE_S = 1.0  # how long a cancelled plug-in coroutine may take to end before it is abandoned
 _abandoned: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+_plugin_calls: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # every call_plugin task still alive
 _Work = tuple[concurrent.futures.Future, Callable[[], Any]]
 
 
@@ -104,7 +106,15 @@ def run_with_daemon_threads(coro: Coroutine[Any, Any, T], max_workers: int = 32)
     """`asyncio.run(coro)` with a DaemonExecutor as the loop's default executor, so that blocking
     code a plug-in hands to `asyncio.to_thread` cannot keep the loop (or the process) from ending;
     and at the end, like `asyncio.run`, every task left is cancelled and awaited, except plug-in
-    calls `call_plugin` already abandoned (asyncio.run would wait for those forever)."""
+    calls, which get GRACE_S to end (asyncio.run would wait forever for one that ignores its
+    cancellation) and are then abandoned with the loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        coro.close()
+        raise RuntimeError("run_with_daemon_threads() cannot be called from a running event loop")
     loop = asyncio.new_event_loop()
     try:
         asyncio.set_event_loop(loop)
@@ -115,13 +125,16 @@ def run_with_daemon_threads(coro: Coroutine[Any, Any, T], max_workers: int = 32)
             left = asyncio.all_tasks(loop)
             for task in left:
                 task.cancel()
-            awaited = [task for task in left if task not in _abandoned]
-            if awaited:
-                loop.run_until_complete(asyncio.gather(*awaited, return_exceptions=True))
+            # Not the plug-in calls themselves: their callers, cancelled, give each its grace
+            # (call_plugin), so every task awaited here ends within GRACE_S of its cancellation.
+            others = [task for task in left if task not in _plugin_calls]
+            if others:
+                loop.run_until_complete(asyncio.gather(*others, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             asyncio.set_event_loop(None)
             loop.close()
+            _abandoned.difference_update([task for task in _abandoned if task.get_loop() is loop])
 
 
 class PluginError(Exception):
@@ -147,7 +160,10 @@ async def call_plugin(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> 
     """Await a plug-in's coroutine for at most `timeout_s`: TimeoutError when it runs over, even if
     it ignores its cancellation (it gets GRACE_S to end, then is abandoned); PluginError for what
     it raises outside `Exception`. Cancelling the caller cancels the call (with the same grace)."""
-    task = asyncio.ensure_future(_contained(coro))
+    # Named after the plug-in's method: a call still running when its loop closes is logged by name.
+    name = f"plug-in call {getattr(coro, '__qualname__', type(coro).__name__)}"
+    task = asyncio.get_running_loop().create_task(_contained(coro), name=name)
+    _plugin_calls.add(task)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
     except asyncio.CancelledError:
@@ -169,10 +185,11 @@ async def _contained(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def _stop(task: asyncio.Task) -> None:
-    task.cancel()
-    await asyncio.wait({task}, timeout=GRACE_S)
-    if not task.done():
-        _abandoned.add(task)
-        task.add_done_callback(_abandoned.discard)
+    """Cancel a plug-in call and give it GRACE_S to end. It is registered as abandoned first, so
+    that a second cancellation of the caller during the grace leaves it registered too."""
     # Nobody awaits the task any more: take its outcome so asyncio does not log it as lost.
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    _abandoned.add(task)
+    task.add_done_callback(_abandoned.discard)
+    task.cancel()
+    await asyncio.wait({task}, timeout=GRACE_S)

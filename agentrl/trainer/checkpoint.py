@@ -55,7 +55,10 @@ def foreign_entries(path: Path) -> list[str]:
     return [entry.name + "/" * entry.is_dir() for entry in entries
             if not (entry.is_file() and _SAVED_FILE.fullmatch(entry.name))
             and not (critic and entry.name == "decoder" and entry.is_dir() and (entry / "config.json").is_file()
-                     and not foreign_entries(entry))]
+                     and not foreign_entries(entry))
+            # a tokenizer with several chat templates saves the others here
+            and not (entry.name == "additional_chat_templates" and entry.is_dir()
+                     and all(f.is_file() and f.suffix == ".jinja" for f in entry.iterdir()))]
 
 
 def check_replaceable(path: str | Path, key: str | None = None) -> None:
