@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from agentrl.errors import ConfigError
-from agentrl.tools.loader import async_problem, class_problem, masked, read_yaml_list, resolve_reference, typed_config
+from agentrl.tools.loader import (async_problem, class_problem, entry_config, masked, read_yaml_list,
+                                  resolve_reference, typed_config)
 from agentrl.types import Task
 
 ENTRY_POINT_GROUP = "agentrl.interactions"
@@ -51,14 +52,12 @@ def load_interaction(path: str | Path) -> Callable[[], Interaction]:
     unknown = sorted(set(entry) - {"class", "config"})
     if unknown:
         raise ConfigError(f"{where}: unknown key '{unknown[0]}'")
-    config = entry.get("config", {})
-    if not isinstance(config, dict | None):
-        raise ConfigError(f"{where}: key 'config' must be a mapping, not {type(config).__name__}")
     try:
+        config = entry_config(entry)
         cls = resolve_reference(entry["class"], group=ENTRY_POINT_GROUP)
         if not inspect.isclass(cls):
             raise ValueError("not a class")
-        config = typed_config(cls, config or {})  # converted as tool configs are: `1e-6` → 1e-06
+        config = typed_config(cls, config)  # converted as tool configs are: `1e-6` → 1e-06
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
 

@@ -101,10 +101,7 @@ def _instantiate(entry: Any) -> Any:
     problem = class_problem(entry)
     if problem:
         raise ValueError(problem)
-    config = entry.get("config", {})
-    if not isinstance(config, dict | None):
-        raise ValueError(f"key 'config' must be a mapping, not {type(config).__name__}")
-    config = config or {}
+    config = entry_config(entry)
     problem = check_schema(entry["schema"]) if "schema" in entry else None
     if problem:  # before the class is built: constructors may start servers or connect to them
         raise ValueError(problem)
@@ -150,6 +147,14 @@ def typed_config(cls: type, config: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"config.{key} = {masked({key: value})[key]!r}: expected {expected} "
                              f"({e.errors()[0]['msg']})") from None
     return typed
+
+
+def entry_config(entry: dict[str, Any]) -> dict[str, Any]:
+    """An entry's `config` mapping ({} when absent or null); ValueError for anything else."""
+    config = entry.get("config")
+    if not isinstance(config, dict | None):
+        raise ValueError(f"key 'config' must be a mapping, not {type(config).__name__}")
+    return config or {}
 
 
 def class_problem(entry: dict[str, Any]) -> str | None:
