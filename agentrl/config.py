@@ -107,6 +107,9 @@ class RolloutConfig(_Section):
     max_turns: int = Field(4, ge=1, description="Assistant turns per episode.")
     max_tool_calls_per_turn: int = Field(4, ge=1, description="Calls run per turn; extra calls get an error.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Seconds a tool call may take.")
+    interaction_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds one call into the interaction (start, respond, finish) may take; "
+                                "past it the episode fails (finish: error) and the run goes on.")
     max_tool_output_tokens: int = Field(256, ge=8, description="Tool output beyond this is cut, with a marker.")
     max_context_tokens: int = Field(2048, ge=16, description="Prompt plus every turn, in tokens.")
     max_new_tokens_per_turn: int = Field(256, ge=1, description="Tokens one assistant turn may sample.")

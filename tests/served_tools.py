@@ -83,3 +83,18 @@ class OwnIds:
     async def release(self, instance_id: str) -> None:
         del self.sessions[instance_id]
         self.released.append(instance_id)
+
+
+@tool
+async def retry_forever(url: str) -> str:
+    """Polls a service that never answers, retrying under a bare `except:` (it swallows its
+    cancellation, and the GeneratorExit of its closing, too).
+
+    Args:
+        url: The service.
+    """
+    while True:
+        try:
+            await asyncio.sleep(0.05)
+        except BaseException:  # noqa: BLE001 - the point of this tool
+            pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 
 from fastapi.testclient import TestClient
@@ -321,3 +322,97 @@ def test_the_tool_server_releases_what_a_failed_create_made():
         stats = client.get("/stats").json()
     assert created == {"instance_id": None, "error": "RuntimeError: half started"}
     assert log == ["flaky.create", "flaky.release"] and stats["live_instances"] == 0
+
+
+class HangingJudge:
+    """A judge whose respond waits on a remote model that never answers, and which ignores its
+    cancellation (a retry loop under a bare `except:`); `finish` hangs too when asked to."""
+
+    def __init__(self, log: list[str], hang_in_finish: bool = False, fail_finish: bool = False):
+        self.log, self.hang_in_finish, self.fail_finish = log, hang_in_finish, fail_finish
+
+    async def start(self, task):
+        self.log.append("start")
+
+    async def respond(self, messages):
+        self.log.append("respond")
+        await stubborn_sleep(30)
+
+    async def finish(self):
+        self.log.append("finish")
+        if self.fail_finish:
+            raise RuntimeError("lost the judge's session")
+        if self.hang_in_finish:
+            await stubborn_sleep(30)
+
+
+async def stubborn_sleep(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.sleep(0.05)
+        except BaseException:  # noqa: BLE001 - the point: it swallows its cancellation
+            pass
+
+
+def test_an_interaction_that_never_answers_fails_its_episode_within_the_timeout(tokenizer):
+    """A hung judge used to hold its episode, and the whole step, forever: interaction calls had no
+    time limit. Now the episode fails with a message naming the setting, within the timeout and the
+    abandoned call's grace, and the interaction is still finished. When `finish` hangs as well, the
+    reported cause stays respond's; a `finish` that fails after a good episode still fails it."""
+    from agentrl.config import RecipeConfig
+    from agentrl.rollout.run import episode_settings
+
+    assert episode_settings(RecipeConfig.model_validate(
+        {"rollout": {"interaction_timeout_s": 0.25}})).interaction_timeout_s == 0.25
+    settings = EpisodeSettings(interaction_timeout_s=0.2)
+    for hang_in_finish in (False, True):
+        log: list[str] = []
+        engine = ScriptedEngine(tokenizer, ["4"])
+        runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, settings,
+                               interaction_factory=lambda: HangingJudge(log, hang_in_finish))
+        started = time.monotonic()
+        traj = run_with_daemon_threads(runner.run(Task(id="t", prompt="Go."), "g"))
+        took = time.monotonic() - started
+        assert traj.finish == "error" and log == ["start", "respond", "finish"], (hang_in_finish, log)
+        assert traj.error == ("TimeoutError: the interaction's respond did not answer within 0.2 s "
+                              "(rollout.interaction_timeout_s)")
+        # 0.2 s + 1 s grace for respond, and as much again for a finish that hangs too; far from 30 s.
+        assert took < (3.0 if hang_in_finish else 1.9), took
+
+    class Judged(HangingJudge):
+        async def respond(self, messages):
+            from agentrl.env.interaction import Turn
+
+            return Turn("Right.", True, 1.0)
+
+    log = []
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, ["4"]), tokenizer, [], parse_hermes, settings,
+                           interaction_factory=lambda: Judged(log, fail_finish=True))
+    traj = run_with_daemon_threads(runner.run(Task(id="t", prompt="Go."), "g"))
+    assert (traj.finish, traj.error) == ("error", "RuntimeError: lost the judge's session")
+
+
+def test_a_call_that_swallows_even_its_closing_does_not_hang_the_run(tmp_path):
+    """Freeing a suspended coroutine closes it: a retry loop under a bare `except:` swallows the
+    GeneratorExit too and spins forever. The abandoned call used to be freed once its loop closed,
+    and the run's next garbage collection hung."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import asyncio, gc\n"
+        "from agentrl.tools.threads import call_plugin, run_with_daemon_threads\n"
+        "from tests.served_tools import retry_forever\n"
+        "async def main():\n"
+        "    try:\n"
+        "        await call_plugin(retry_forever.execute('i', {'url': 'x'}), 0.1)\n"
+        "    except TimeoutError:\n"
+        "        print('timed out', flush=True)\n"
+        "run_with_daemon_threads(main())\n"
+        "gc.collect()\n"
+        "print('collected', flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert (done.returncode, done.stdout) == (0, "timed out\ncollected\n"), done.stderr[-2000:]

@@ -14,11 +14,13 @@ This module does not batch (the engine does), schedule episodes (collect.py does
 
 from __future__ import annotations
 
+import asyncio
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
 from agentrl.env.interaction import Interaction
 from agentrl.env.rewards import RewardFn
@@ -29,6 +31,8 @@ from agentrl.tools.base import Tool, finite_number
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import call_plugin, failure_text
 from agentrl.types import SamplingParams, Task, Trajectory
+
+T = TypeVar("T")
 
 @dataclass
 class EpisodeSettings:
@@ -43,6 +47,7 @@ class EpisodeSettings:
     tool_step_rewards: bool = False  # add the tools' per-call rewards to the trajectory reward
     tool_final_rewards: bool = False  # add each tool's reward(instance) at the end
     interaction_scores: bool = False  # add the interaction's scores
+    interaction_timeout_s: float = 60.0  # per call into the interaction; past it the episode fails
 
 
 class EpisodeRunner:
@@ -82,8 +87,8 @@ class EpisodeRunner:
         try:  # from here on, whatever fails, the tools' and the interaction's instances are released
             await env.start(uuid.uuid4().hex[:12], task)
             interaction = self.interaction_factory() if self.interaction_factory else None
-            if interaction:  # call_plugin: a sys.exit() in it fails this episode, not the run
-                await call_plugin(interaction.start(task), None)
+            if interaction:
+                await self._interaction_call(interaction.start(task))
             traj.messages = task.messages(s.system_prompt)
             traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
             while turns < s.max_turns:
@@ -121,15 +126,29 @@ class EpisodeRunner:
             else:  # the loop ran out of turns (every other way out of it breaks)
                 traj.finish = "max_turns"
         finally:
+            failing = sys.exc_info()[1] is not None  # then the episode's own failure is the one reported
             tool_final = await env.finish()
             if interaction:
-                await call_plugin(interaction.finish(), None)
+                try:
+                    await self._interaction_call(interaction.finish())
+                except Exception:
+                    if not failing:
+                        raise
         traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks),
                             interaction_invalid_scores=float(scores.count(None)))
         self._reward(task, traj, env.step_rewards, tool_final, [x for x in scores if x is not None])
 
-    @staticmethod
-    async def _answer(env: ToolEnv, interaction: Interaction | None, parsed: ParsedTurn,
+    async def _interaction_call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """One call into the interaction through `call_plugin`: a `sys.exit()` in it, or a judge that
+        never answers (a hung HTTP call), fails this episode, not the run."""
+        try:
+            return await call_plugin(coro, self.settings.interaction_timeout_s)
+        except asyncio.TimeoutError:
+            method = getattr(coro, "__qualname__", "call").rsplit(".", 1)[-1]
+            raise TimeoutError(f"the interaction's {method} did not answer within "
+                               f"{self.settings.interaction_timeout_s:g} s (rollout.interaction_timeout_s)") from None
+
+    async def _answer(self, env: ToolEnv, interaction: Interaction | None, parsed: ParsedTurn,
                       messages: list[dict[str, Any]], scores: list[float | None]) -> list[dict[str, Any]] | None:
         """The messages answering an assistant turn: its tools' (for calls, malformed ones too), else
         the interaction's reply, whose score goes to `scores` (None when it is not a finite number:
@@ -138,7 +157,7 @@ class EpisodeRunner:
             return await env.run_turn(parsed)
         if interaction is None:
             return None
-        reply = await call_plugin(interaction.respond(messages), None)
+        reply = await self._interaction_call(interaction.respond(messages))
         scores.append(finite_number(reply.score))
         return None if reply.done else [{"role": "user", "content": reply.text}]
 

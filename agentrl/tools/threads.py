@@ -134,7 +134,33 @@ def run_with_daemon_threads(coro: Coroutine[Any, Any, T], max_workers: int = 32)
         finally:
             asyncio.set_event_loop(None)
             loop.close()
-            _abandoned.difference_update([task for task in _abandoned if task.get_loop() is loop])
+            gone = [task for task in _abandoned if task.get_loop() is loop]
+            _abandoned.difference_update(gone)
+            _strand([task for task in gone if not task.done()])
+
+
+def _strand(tasks: list[asyncio.Task]) -> None:
+    """Keep plug-in calls that outlive their loop from ever being finalized. Freeing a suspended
+    coroutine closes it: GeneratorExit is thrown in at its `await`, and a retry loop under a bare
+    `except:` swallows that too and spins forever (its next await fails without a loop, and that
+    is swallowed as well), hanging the process at its next garbage collection. A daemon thread
+    that never returns holds them (Python stops it at exit without freeing what its frame
+    references); one such thread holds every call stranded this way."""
+    global _holder
+    if not tasks:
+        return
+    _stranded.extend(tasks)
+    if _holder is None:
+        _holder = threading.Thread(target=_hold, args=(_stranded,), name="agentrl-stranded-calls", daemon=True)
+        _holder.start()
+
+
+def _hold(tasks: list[asyncio.Task]) -> None:
+    threading.Event().wait()  # never set: `tasks` stays referenced by this frame
+
+
+_stranded: list[asyncio.Task] = []
+_holder: threading.Thread | None = None
 
 
 class PluginError(Exception):
