@@ -299,8 +299,15 @@ async def silent_agent(ctx, task):
     await client.chat.completions.create(model=ctx.model, messages=task.messages())
 
 
+async def exiting_agent(ctx, task):
+    """Wraps a command-line program that calls sys.exit on bad input."""
+    await ctx.openai_client().chat.completions.create(model=ctx.model, messages=task.messages())
+    raise SystemExit(3)
+
+
 def test_agent_failures_end_the_episode_as_errors(tokenizer):
     for agent, error in [(failing_agent, "ValueError: the framework gave up"),
+                         (exiting_agent, "SystemExit: 3"),
                          (silent_agent, "the agent made no chat completion request with its session")]:
         engine = ScriptedEngine(tokenizer, [ANSWER])
         runner = agent_runner(agent, engine, tokenizer)

@@ -19,7 +19,7 @@ The trajectory is the session's last segment (sessions.py says why), with `segme
 session has `rollout.max_turns` turns and `rollout.max_context_tokens` tokens. Finish: that of the
 last sampled turn (`stop`, `length`); `max_turns` or `length` when the endpoint refused a request
 at a limit (the agent's exception from that refusal ends the episode normally); `error` for any
-other exception, or when the agent made no request with its session. An episode refused before
+other exception (`SystemExit` too), or when the agent made no request with its session. An episode refused before
 its first turn (a prompt longer than `rollout.max_context_tokens`) records what the builtin loop
 records for it: the task's prompt, rendered, nothing trainable, finish `length`.
 
@@ -51,6 +51,7 @@ from agentrl.serve.sessions import Session, to_trajectory
 from agentrl.tools.base import Tool
 from agentrl.tools.loader import resolve_reference
 from agentrl.tools.parsers import ParsedTurn
+from agentrl.tools.threads import call_plugin, failure_text
 from agentrl.types import Task, ToolCall, Trajectory
 
 AgentFn = Callable[["AgentContext", Task], Awaitable[object]]
@@ -179,7 +180,7 @@ class AgentRunner:
         failure: Exception | None = None
         try:  # from here on, whatever happens (a cancellation while the tools start too), they are released
             await env.start(session_id, task)
-            await self.agent(ctx, task)
+            await call_plugin(self.agent(ctx, task), None)  # a sys.exit() in it fails this episode, not the run
         except Exception as e:  # a refusal at a limit ends the episode; anything else fails it (below)
             failure = e
         finally:
@@ -191,7 +192,7 @@ class AgentRunner:
         traj.metrics = {**env.metrics, **traj.metrics,
                         "parse_errors": env.metrics["parse_errors"] + traj.metrics["parse_errors"]}
         if failure is not None and session.refused is None:
-            traj.finish, traj.error = "error", f"{type(failure).__name__}: {failure}"
+            traj.finish, traj.error = "error", failure_text(failure)
             return traj
         if not session.segments and session.refused is None:
             traj.finish, traj.error = "error", f"the agent made no chat completion request with its session " \
