@@ -237,7 +237,8 @@ class TrainerConfig(_Section):
                                                         "wandb package).")
     max_failed_fraction: float = Field(0.25, ge=0, le=1, description="Stop the run when more than this share of a "
                                                                      "step's episodes fail (engine, reward or "
-                                                                     "interaction errors).")
+                                                                     "interaction errors); rollout and eval exit "
+                                                                     "with status 1 past it, results written.")
 
     @model_validator(mode="before")
     @classmethod

@@ -14,7 +14,6 @@ import re
 import shutil
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -22,10 +21,10 @@ import torch
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig
 from agentrl.recipe import check_training, run_config_yaml, to_yaml
-from agentrl.errors import ConfigError, RunFailed
+from agentrl.errors import ConfigError
 from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
-from agentrl.rollout.collect import summarize, write_jsonl
+from agentrl.rollout.collect import check_failures, summarize, write_jsonl
 from agentrl.rollout.run import load_driver_parts
 from agentrl.trainer.checkpoint import check_replaceable, latest_checkpoint
 from agentrl.trainer.critic import CriticWorker, check_critic_path
@@ -49,15 +48,6 @@ def step_record(step: int, trajectories: list[Trajectory], rollout: dict[str, fl
             **{k: v for k, v in rollout.items() if k not in ("reward_mean", "wall_s")},
             **update, **times, "weight_version": min(tr.weight_version for tr in trajectories),
             "synced_version": synced_version, "tokens_per_s": rollout["tokens_generated"] / sum(times.values())}
-
-
-def check_failures(step: int, trajectories: list[Trajectory], max_fraction: float) -> None:
-    """Stop the run, naming the most common causes, when too many of a step's episodes failed."""
-    failed = [tr for tr in trajectories if tr.finish == "error"]
-    if len(failed) > max_fraction * len(trajectories):
-        causes = "; ".join(f"{error} ({count}x)" for error, count in Counter(tr.error for tr in failed).most_common(3))
-        raise RunFailed(f"step {step}: {len(failed)} of {len(trajectories)} episodes failed (more than "
-                        f"trainer.max_failed_fraction {max_fraction:g}): {causes}")
 
 
 def masked_mean(rows: list[list[float]], masks: list[list[int]]) -> float:
@@ -197,7 +187,7 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
             rollout = summarize(trajectories, time.perf_counter() - clock)
             times = {"time_rollout_s": time.perf_counter() - clock}
             write_jsonl(trajectories, run_dir / "trajectories" / f"step_{step}.jsonl", step=step)
-            check_failures(step, trajectories, t.max_failed_fraction)
+            check_failures(f"step {step}", trajectories, t.max_failed_fraction)
 
             roles.release_memory()
             update = learn(trajectories, r.group_size, a, roles.policy, roles.reference, roles.critic, times)

@@ -416,3 +416,30 @@ def test_a_call_that_swallows_even_its_closing_does_not_hang_the_run(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30,
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert (done.returncode, done.stdout) == (0, "timed out\ncollected\n"), done.stderr[-2000:]
+
+
+def test_a_failed_episode_keeps_its_turns_and_tool_calls_and_a_grader_exiting_fails_only_its_episode(tokenizer):
+    """An episode whose engine failed on its second turn used to report no turns and no tool calls
+    (the summary's mean_turns and per-tool counts left them out); and a reward function that
+    calls sys.exit (a grader wrapping a command-line program) ended the whole rollout."""
+    from agentrl.rollout.collect import summarize
+    from agentrl.tools.builtin.calculator import calculator
+
+    engine = ScriptedEngine(tokenizer, [call("calculator", expression="2*3")])  # no second turn: it raises
+    runner = EpisodeRunner(engine, tokenizer, [calculator], parse_hermes, EpisodeSettings())
+    [traj] = run_episodes(runner, [Task(id="t", prompt="Go.")], group_size=1, max_concurrent=1)
+    assert traj.finish == "error" and traj.error.startswith("IndexError") and traj.messages[-1]["content"] == "6"
+    assert (traj.metrics["turns"], traj.metrics["tool_calls"], traj.metrics["tool/calculator/calls"]) == (1, 1, 1)
+    summary = summarize([traj], wall_s=1.0)
+    assert (summary["mean_turns"], summary["tool/calculator/calls"], summary["episodes_failed"]) == (1, 1, 1)
+
+    def grader(task, messages):
+        if task.id == "b":
+            raise SystemExit(2)  # argparse's error() on an answer it cannot parse
+        return 1.0
+
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, [FINAL, FINAL]), tokenizer, [], parse_hermes, EpisodeSettings(),
+                           reward_fn=grader)
+    a, b = run_episodes(runner, [Task(id="a", prompt="Go."), Task(id="b", prompt="Go.")], group_size=1,
+                        max_concurrent=2)
+    assert (a.finish, a.reward, b.finish, b.error) == ("stop", 1.0, "error", "SystemExit: 2")

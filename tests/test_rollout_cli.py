@@ -44,6 +44,31 @@ def test_rollout_writes_jsonl_and_summary(tmp_path, tiny_model_dir):
     assert (done.returncode, done.stdout) == (0, f"wrote {out / 'view.html'} (6 trajectories, steps 0)\n")
 
 
+def offline_grader(task, messages):
+    """A reward function whose grading service is down."""
+    raise ConnectionError("grader at 127.0.0.1:9 refused the connection")
+
+
+def test_rollout_and_eval_whose_episodes_failed_write_them_then_exit_1_naming_the_cause(tmp_path, tiny_model_dir):
+    """A dead engine or grader used to give exit status 0 and an eval accuracy of 0.000, as if the
+    model had scored it; now past trainer.max_failed_fraction the results are written and the
+    command fails as a training step does, naming the cause."""
+    for command, recipe, name in (("rollout", "recipes/rollout_cpu.yaml", "rollout.jsonl"),
+                                  ("eval", "recipes/quickstart.yaml", f"eval_{tiny_model_dir.name}.jsonl")):
+        out = tmp_path / command
+        done = subprocess.run(
+            [sys.executable, "-m", "agentrl.cli", command, recipe, f"model.path={tiny_model_dir}", f"output_dir={out}",
+             "data.num_tasks=2", "eval.num_tasks=2", "rollout.max_new_tokens_per_turn=4", "model.dtype=float32",
+             "reward.function=tests.test_rollout_cli:offline_grader"],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        episodes = 2 * (4 if command == "rollout" else 1)  # rollout_cpu's group size is 4
+        assert (done.returncode, done.stderr.splitlines()[-1]) == (1, (
+            f"agentrl: error: {command} ({out / name}): {episodes} of {episodes} episodes failed (more than "
+            f"trainer.max_failed_fraction 0.25): ConnectionError: grader at 127.0.0.1:9 refused the connection "
+            f"({episodes}x)")), done.stderr[-2000:]
+        assert len((out / name).read_text().splitlines()) == episodes
+
+
 def test_eval_writes_its_config_beside_its_results_but_keeps_a_training_runs(tmp_path, tiny_model_dir):
     args = [sys.executable, "-m", "agentrl.cli", "eval", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
             "eval.num_tasks=2", "rollout.max_new_tokens_per_turn=4", "model.dtype=float32"]

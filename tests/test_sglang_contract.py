@@ -30,7 +30,8 @@ from agentrl.errors import ConfigError
 from agentrl.rollout import sglang_server
 from agentrl.rollout.run import build_engine
 from agentrl.rollout.sglang_engine import _SGLANG_REGIONS, ReleasedRegions, sampling_dict, server_args
-from agentrl.rollout.sglang_server import SGLangServerEngine, cli_flags
+from agentrl.rollout.sglang_launch import cli_flags
+from agentrl.rollout.sglang_server import SGLangServerEngine
 from agentrl.types import SamplingParams
 from safetensors.torch import load_file
 from tests.sglang_api import SNAPSHOT, extract
@@ -236,13 +237,44 @@ def test_cpu_weights_reach_a_loopback_server_through_safetensors_shards(fake_ser
     for method, path, body in fake_server.requests:
         check_against_api(method, path, body)
     assert fake_server.requests[1][2]["flush_cache"] is False
-    # Buckets of at most 40 bytes become shards; the tied lm_head (embed's storage) is written once.
+    # Buckets of at most 40 bytes become shards; the tied lm_head, in a bucket of its own, goes under its name.
     assert [{k: v.tolist() for k, v in shard.items()} for shard in fake_server.loaded[0].values()] == [
-        {"embed": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "norm": [1.0] * 4}, {"mlp": [2.0] * 5}]
-    assert list(fake_server.loaded[0]) == ["model-00000.safetensors", "model-00002.safetensors"]
+        {"embed": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "norm": [1.0] * 4}, {"lm_head": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]},
+        {"mlp": [2.0] * 5}]
+    assert list(fake_server.loaded[0]) == ["model-00000.safetensors", "model-00001.safetensors",
+                                           "model-00002.safetensors"]
     assert not first_dir.exists() and engine._weights_dir.is_dir()  # the server's current model path stays
     engine.close()
     assert not engine._weights_dir.exists() and engine.weight_version == 2
+
+
+def test_every_weight_reaches_the_disk_update_ties_in_one_shard_once(fake_server):
+    """Merged LoRA weights or gathered shards are fresh tensors, and one may sit where a freed one
+    sat: the disk update used to take it for a tie of the earlier name and drop it (the server kept
+    stale weights). A tie inside one bucket used to make safetensors refuse the shard."""
+    import weakref
+
+    import numpy as np
+
+    engine = SGLangServerEngine("http://127.0.0.1:1", {}, update_bucket_bytes=16)  # a bucket per weight
+    memory, free = np.zeros((3, 4), dtype=np.float32), [0, 1, 2]  # an allocator: a slot is reused once freed
+
+    def fresh():
+        for i in range(6):
+            slot = free.pop(0)
+            view = memory[slot]  # the tensor's storage holds this view; when that goes, the slot is free again
+            weakref.finalize(view, free.append, slot)
+            yield f"layers.{i}.weight", torch.from_numpy(view).fill_(float(i))
+
+    engine.update_weights(fresh(), version=1, flush_cache=False)
+    engine.update_bucket_bytes = 2**30  # one bucket: a tie inside a shard
+    embed = torch.arange(6.0).reshape(2, 3)
+    engine.update_weights(iter([("embed", embed), ("norm", torch.ones(4)), ("lm_head", embed)]), version=2,
+                          flush_cache=False)
+    first, second = ({name: t.tolist() for shard in update.values() for name, t in shard.items()}
+                     for update in fake_server.loaded)
+    assert first == {f"layers.{i}.weight": [float(i)] * 4 for i in range(6)}
+    assert second == {"embed": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "norm": [1.0] * 4}
 
 
 def test_server_engine_retries_then_names_url_route_and_cause(monkeypatch):
@@ -305,3 +337,39 @@ def test_engine_name_picks_the_engine_and_sglang_is_imported_only_for_it(tiny_mo
         build_engine(sglang_config, pad_token_id=2)
     with pytest.raises(ConfigError, match=r"engine.name: Input should be 'hf' or 'sglang' \(got 'vllm'\)"):
         load_recipe(None, ["engine.name=vllm"])
+
+
+def test_a_server_that_never_answers_the_connection_fails_within_timeout_s(monkeypatch):
+    """A host gone dark (its SYNs unanswered, here a loopback socket whose accept queue is full):
+    each connection attempt used to wait a whole timeout_s, three times over. Now the retries share
+    one timeout_s, each attempt at most CONNECT_TIMEOUT_S."""
+    import asyncio
+    import socket
+    import time
+
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(0)
+    fillers = []
+    for _ in range(4):  # fill the accept queue: later connection attempts get no answer at all
+        filler = socket.socket()
+        filler.setblocking(False)
+        try:
+            filler.connect(black_hole.getsockname())
+        except BlockingIOError:
+            pass
+        fillers.append(filler)
+    time.sleep(0.2)
+    monkeypatch.setattr(SGLangServerEngine, "check_health", lambda self: None)
+    engine = SGLangServerEngine(f"http://127.0.0.1:{black_hole.getsockname()[1]}", {}, timeout_s=2.0)
+    try:
+        for name, request in (("generate", lambda: asyncio.run(engine.generate([1, 2], SamplingParams(4)))),
+                              ("flush_cache", engine.flush_cache)):
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"failed \(ConnectTimeout"):
+                request()
+            assert time.monotonic() - started < 4.0, name  # before: 3 × 2 s + backoff, 7.5 s
+    finally:
+        engine.close()
+        for s in fillers + [black_hole]:
+            s.close()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from agentrl.errors import RunFailed
 from agentrl.rollout.episode import EpisodeRunner
 from agentrl.tools.threads import run_with_daemon_threads
 from agentrl.types import Task, Trajectory
@@ -40,6 +42,17 @@ def run_episodes(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_
     if wait_idle is not None:
         wait_idle()
     return trajectories
+
+
+def check_failures(what: str, trajectories: list[Trajectory], max_fraction: float) -> None:
+    """RunFailed naming the most common causes when more than `max_fraction` of the episodes
+    failed (trainer.max_failed_fraction): a training step stops the run, and `rollout` and `eval`
+    exit with status 1 once their results are written."""
+    failed = [tr for tr in trajectories if tr.finish == "error"]
+    if failed and len(failed) > max_fraction * len(trajectories):
+        causes = "; ".join(f"{error} ({count}x)" for error, count in Counter(tr.error for tr in failed).most_common(3))
+        raise RunFailed(f"{what}: {len(failed)} of {len(trajectories)} episodes failed (more than "
+                        f"trainer.max_failed_fraction {max_fraction:g}): {causes}")
 
 
 def write_jsonl(trajectories: list[Trajectory], path: str | Path, step: int | None = None) -> None:

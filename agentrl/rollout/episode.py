@@ -29,7 +29,7 @@ from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
 from agentrl.tools.base import Tool, finite_number
 from agentrl.tools.parsers import ParsedTurn
-from agentrl.tools.threads import call_plugin, failure_text
+from agentrl.tools.threads import PluginError, call_plugin, failure_text
 from agentrl.types import SamplingParams, Task, Trajectory
 
 T = TypeVar("T")
@@ -128,14 +128,15 @@ class EpisodeRunner:
         finally:
             failing = sys.exc_info()[1] is not None  # then the episode's own failure is the one reported
             tool_final = await env.finish()
+            # Kept for a failed episode too: the turns and tool calls it made did happen.
+            traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks),
+                                interaction_invalid_scores=float(scores.count(None)))
             if interaction:
                 try:
                     await self._interaction_call(interaction.finish())
                 except Exception:
                     if not failing:
                         raise
-        traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks),
-                            interaction_invalid_scores=float(scores.count(None)))
         self._reward(task, traj, env.step_rewards, tool_final, [x for x in scores if x is not None])
 
     async def _interaction_call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -195,7 +196,10 @@ def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[s
     keeps it out of training (a NaN would poison every advantage of its group)."""
     if reward_fn is None:
         return 0.0
-    value = reward_fn(task, messages)
+    try:
+        value = reward_fn(task, messages)
+    except SystemExit as e:  # a grader wrapping an argparse- or click-style program: fails this episode only
+        raise PluginError(e) from e
     try:
         number = float(value) if not isinstance(value, (str, bytes)) else math.nan
     except (TypeError, ValueError):

@@ -23,7 +23,7 @@ from agentrl.env.interaction import load_interaction
 from agentrl.env.rewards import load_reward_fn
 from agentrl.env.tool_env import ToolLimits
 from agentrl.models import load_model, load_tokenizer
-from agentrl.rollout.collect import run_episodes, summarize, write_jsonl
+from agentrl.rollout.collect import check_failures, run_episodes, summarize, write_jsonl
 from agentrl.rollout.engine import Engine
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_ids
 from agentrl.rollout.hf_engine import HFEngine
@@ -157,6 +157,7 @@ def run_rollout(config: RecipeConfig) -> dict[str, float]:
     print(f"wrote {len(trajectories)} trajectories to {out}")
     for key, value in summary.items():
         print(f"  {key:<24} {value:.4g}")
+    check_failures(f"rollout ({out})", trajectories, config.trainer.max_failed_fraction)
     return summary
 
 
@@ -186,4 +187,5 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
     failed = f", {summary['episodes_failed']:.0f} failed" if summary["episodes_failed"] else ""
     print(f"eval {config.model.path}: accuracy {summary['accuracy']:.3f} on {len(tasks)} held-out tasks{failed}, "
           f"tool-call rate {summary['tool_call_rate']:.2f}, mean turns {summary['mean_turns']:.2f} ({out})")
+    check_failures(f"eval ({out})", trajectories, config.trainer.max_failed_fraction)
     return summary

@@ -18,29 +18,23 @@ Weights go by where the server is and where the tensors are (`weight_transfer="a
 - a server on another host: /update_weights_from_tensor by value (a plain pickle, base64, which
   SGLang's restricted unpickler accepts), bucket by bucket.
 
-This module does not import sglang: it starts `python -m sglang.launch_server` as a subprocess.
+This module does not import sglang: sglang_launch.py starts `python -m sglang.launch_server` as a
+subprocess.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import base64
 import importlib
 import io
-import itertools
-import json
-import os
 import pickle
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Iterator, Literal, TypeVar
 from urllib.parse import urlparse
 
 import httpx
@@ -49,76 +43,39 @@ from safetensors.torch import save_file
 
 from agentrl.rollout.sglang_engine import (IDLE_TIMEOUT_S, ReleasedRegions, check_score_args, prompt_logprobs,
                                            sampling_dict, to_completion, weight_buckets)
+from agentrl.rollout.sglang_launch import launch_server, log_tail, stop_server
 from agentrl.types import Completion, SamplingParams
 
-RETRIES = 3  # attempts for a request that cannot reach the server
+T = TypeVar("T")
+RETRIES = 3  # attempts for a request that cannot reach the server, all within one timeout_s
+CONNECT_TIMEOUT_S = 10.0  # a host that never answers the connection (gone dark) is retried after this
 # Only a request that never reached the server is sent again: one that timed out waiting for its
 # answer may still be running there, and three more waits of timeout_s would hide a hung server.
 UNREACHED = (httpx.ConnectError, httpx.ConnectTimeout)
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-def cli_flags(args: dict[str, Any]) -> list[str]:
-    """ServerArgs fields → launch_server flags (`tp_size=2` → `--tp-size 2`, True → bare flag, a
-    list → one value each as argparse's nargs reads them, a mapping → JSON)."""
-    flags: list[str] = []
-    for key, value in args.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif isinstance(value, (list, tuple)):
-            flags += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value)]
-        elif value is not None and value is not False:
-            flags += [flag, str(value)]
-    return flags
+def _prepended(first: T, rest: Iterator[T]) -> Iterator[T]:
+    """`first`, then `rest`, holding no reference to `first` once it is handed out (itertools.chain
+    keeps its arguments until it is exhausted: a whole bucket of weights, for the whole update)."""
+    held = [first]
+    del first
+    yield held.pop()
+    yield from rest
 
 
-def launch_server(args: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen, str, str]:
-    """Start launch_server on a free loopback port; returns (process, url, log path) once healthy."""
-    with socket.socket() as probe:  # the OS picks a free port; the server binds it right after
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ)
-    if args.get("device") == "cpu":
-        env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    log = tempfile.NamedTemporaryFile("w", prefix="sglang-server-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "sglang.launch_server", *cli_flags(args), "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    atexit.register(stop_server, process)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=10.0) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"SGLang server for {url} exited with code {process.returncode} while starting; "
-                                   f"log {log.name}: {log_tail(log.name)}")
-            try:
-                if client.get(f"{url}/health_generate").status_code == 200:
-                    return process, url, log.name
-            except httpx.TransportError:
-                pass
-            time.sleep(1.0)
-    stop_server(process)
-    raise RuntimeError(f"SGLang server at {url} was not healthy within {timeout_s:.0f} s; log {log.name}: "
-                       f"{log_tail(log.name)}")
+def _timeout(seconds: float) -> httpx.Timeout:
+    """What is left of a request's timeout_s, of which a connection attempt gets at most
+    CONNECT_TIMEOUT_S: the retries of a host that never answers fit in one timeout_s."""
+    seconds = max(seconds, 0.001)
+    return httpx.Timeout(seconds, connect=min(CONNECT_TIMEOUT_S, seconds))
 
 
-def stop_server(process: subprocess.Popen) -> None:
-    """Stop the server and the scheduler processes it started (its own process group)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def log_tail(path: str, lines: int = 5) -> str:
-    with open(path, errors="replace") as f:
-        return " | ".join(line.strip() for line in f.readlines()[-lines:] if line.strip())
+def _retry(error: httpx.TransportError, attempt: int, retries: int, deadline: float) -> bool:
+    """Whether a failed request is sent again: it never reached the server, attempts are left, and
+    so is time after the backoff."""
+    return (isinstance(error, UNREACHED) and attempt < retries - 1
+            and time.monotonic() + 0.5 * 2**attempt < deadline)
 
 
 def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], by_handle: bool) -> str:
@@ -169,13 +126,14 @@ class SGLangServerEngine:
 
     def _send(self, method: str, route: str, body: dict[str, Any] | None, retries: int = RETRIES,
               timeout: float | None = None, params: dict[str, Any] | None = None) -> httpx.Response:
+        deadline = time.monotonic() + (timeout or self.timeout_s)
         for attempt in range(retries):
             try:
                 response = self._client.request(method, route, json=body, params=params,
-                                                timeout=timeout or self.timeout_s)
+                                                timeout=_timeout(deadline - time.monotonic()))
                 break
             except httpx.TransportError as e:  # not reachable, or no answer within the timeout
-                if attempt == retries - 1 or not isinstance(e, UNREACHED):
+                if not _retry(e, attempt, retries, deadline):
                     raise self._failure(f"{method} {route}", f"{type(e).__name__}: {e}") from None
                 time.sleep(0.5 * 2**attempt)
         if response.status_code != 200:
@@ -199,12 +157,14 @@ class SGLangServerEngine:
             raise ValueError("generate needs at least one prompt token")
         version = self.weight_version
         body = {"input_ids": list(token_ids), "sampling_params": sampling_dict(sampling), "return_logprob": True}
+        deadline = time.monotonic() + self.timeout_s
         for attempt in range(RETRIES):
             try:
-                response = await self._async_client().post("/generate", json=body)
+                response = await self._async_client().post("/generate", json=body,
+                                                           timeout=_timeout(deadline - time.monotonic()))
                 break
             except httpx.TransportError as e:
-                if attempt == RETRIES - 1 or not isinstance(e, UNREACHED):
+                if not _retry(e, attempt, RETRIES, deadline):
                     raise self._failure("POST /generate", f"{type(e).__name__}: {e}") from None
                 await asyncio.sleep(0.5 * 2**attempt)
         if response.status_code != 200:
@@ -229,9 +189,11 @@ class SGLangServerEngine:
         buckets = weight_buckets(named_tensors, self.update_bucket_bytes)
         first = next(buckets, None)
         if first is not None:
-            buckets = itertools.chain([first], buckets)
+            on_cpu = not first[0][1].is_cuda
+            buckets = _prepended(first, buckets)
+            del first  # freed once sent, as every other bucket is
             loopback = urlparse(self.url).hostname in LOOPBACK
-            if self.weight_transfer == "disk" or (self.weight_transfer == "auto" and loopback and not first[0][1].is_cuda):
+            if self.weight_transfer == "disk" or (self.weight_transfer == "auto" and loopback and on_cpu):
                 self._update_from_disk(buckets)
             else:
                 for bucket in buckets:
@@ -252,11 +214,18 @@ class SGLangServerEngine:
         The directory stays until the next update replaces it: SGLang keeps it as its model path.
         """
         directory = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
-        seen: set[tuple] = set()  # a tied tensor (one tensor, two names) is written once
+        # Tied tensors (one tensor, two names) in one shard are written once: safetensors refuses
+        # shared memory. Across shards a tie is written under both names: a tensor seen in an earlier
+        # bucket may be gone, and a fresh one (a merged LoRA weight, a gathered shard) may have
+        # taken its address, so an address alone does not make a tie there.
         for i, bucket in enumerate(buckets):
-            key = lambda t: (t.data_ptr(), tuple(t.shape), t.dtype)  # noqa: E731
-            shard = {name: t.contiguous() for name, t in bucket if key(t) not in seen}
-            seen.update(key(t) for _, t in bucket)
+            shard: dict[str, torch.Tensor] = {}
+            seen: set[tuple] = set()
+            for name, t in bucket:
+                key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+                if key not in seen:
+                    seen.add(key)
+                    shard[name] = t.contiguous()
             if shard:
                 save_file(shard, str(directory / f"model-{i:05d}.safetensors"))
         try:

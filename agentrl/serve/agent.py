@@ -164,7 +164,7 @@ class AgentRunner:
             traj = await self._run(task, group_id)
         except Exception as e:
             traj = Trajectory(task_id=task.id, group_id=group_id, weight_version=self.engine.weight_version,
-                              finish="error", error=f"{type(e).__name__}: {e}")
+                              finish="error", error=failure_text(e))
         if traj.finish == "error":
             traj.metrics["error"] = 1.0
         traj.metrics["episode_s"] = time.perf_counter() - started

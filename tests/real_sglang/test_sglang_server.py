@@ -82,7 +82,7 @@ def test_new_weights_change_the_output_and_old_ones_sent_by_value_restore_it(ser
 
 
 def test_a_dead_server_is_an_error_naming_its_url(server, tokenizer):
-    from agentrl.rollout.sglang_server import stop_server
+    from agentrl.rollout.sglang_launch import stop_server
 
     stop_server(server.process)
     started = time.perf_counter()
