@@ -1,5 +1,6 @@
 """`agentrl <command>`: parse arguments, call one function; a ConfigError becomes one line and exit
-status 2 (nothing ran), a RunFailed one line and exit status 1 (the run stopped)."""
+status 2 (nothing ran), a RunFailed one line and exit status 1 (the run stopped), a Ctrl-C one line
+and exit status 130."""
 
 from __future__ import annotations
 
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         print(f"agentrl: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("agentrl: interrupted", file=sys.stderr)
+        return 130  # as a shell reports a command ended by SIGINT
 
 
 if __name__ == "__main__":

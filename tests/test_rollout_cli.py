@@ -69,6 +69,33 @@ def test_rollout_and_eval_whose_episodes_failed_write_them_then_exit_1_naming_th
         assert len((out / name).read_text().splitlines()) == episodes
 
 
+def interrupting_grader(task, messages):
+    """Grades the first two tasks; on the third the user presses Ctrl-C."""
+    if task.id.endswith("-2"):
+        raise KeyboardInterrupt
+    return 1.0
+
+
+def test_an_interrupted_rollout_keeps_the_episodes_that_finished_and_no_stale_summary(tmp_path, tiny_model_dir):
+    """Results used to be written only at the end: a Ctrl-C lost every finished episode, and an
+    earlier run's rollout.jsonl and summary stayed beside the new config.yaml as if they were its."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rollout.jsonl").write_text('{"task_id": "from an earlier run"}\n' * 5)
+    (out / "rollout_summary.json").write_text("{}")
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml", f"model.path={tiny_model_dir}",
+         f"output_dir={out}", "data.num_tasks=3", "rollout.group_size=1", "rollout.max_concurrent_episodes=1",
+         "rollout.max_new_tokens_per_turn=4", "reward.function=tests.test_rollout_cli:interrupting_grader"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-2:] == [
+        f"agentrl: stopped early: 2 finished episode(s) of 3 kept in {out / 'rollout.jsonl'}", "agentrl: interrupted"]
+    rows = [json.loads(line) for line in (out / "rollout.jsonl").read_text().splitlines()]
+    assert [(r["task_id"], r["reward"]) for r in rows] == [("arith-0-0", 1.0), ("arith-0-1", 1.0)]
+    assert not (out / "rollout_summary.json").exists()
+
+
 def test_eval_writes_its_config_beside_its_results_but_keeps_a_training_runs(tmp_path, tiny_model_dir):
     args = [sys.executable, "-m", "agentrl.cli", "eval", "recipes/quickstart.yaml", f"model.path={tiny_model_dir}",
             "eval.num_tasks=2", "rollout.max_new_tokens_per_turn=4", "model.dtype=float32"]

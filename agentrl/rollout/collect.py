@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -34,14 +35,16 @@ async def collect(runner: EpisodeRunner, tasks: list[Task], group_size: int, max
     return list(await asyncio.gather(*(one(t) for t in tasks for _ in range(group_size))))
 
 
-def run_episodes(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_concurrent: int) -> list[Trajectory]:
+def run_episodes(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_concurrent: int,
+                 on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """`collect` from synchronous code (the CLI commands and the training driver). Returns once the
     engine's decode thread, if it has one, has stopped too."""
-    trajectories = run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent))
-    wait_idle = getattr(runner.engine, "wait_idle", None)
-    if wait_idle is not None:
-        wait_idle()
-    return trajectories
+    try:
+        return run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent, on_done))
+    finally:  # also after a Ctrl-C: the thread then stops within a step, its callers gone
+        wait_idle = getattr(runner.engine, "wait_idle", None)
+        if wait_idle is not None:
+            wait_idle()
 
 
 def check_failures(what: str, trajectories: list[Trajectory], max_fraction: float) -> None:
@@ -53,6 +56,32 @@ def check_failures(what: str, trajectories: list[Trajectory], max_fraction: floa
         causes = "; ".join(f"{error} ({count}x)" for error, count in Counter(tr.error for tr in failed).most_common(3))
         raise RunFailed(f"{what}: {len(failed)} of {len(trajectories)} episodes failed (more than "
                         f"trainer.max_failed_fraction {max_fraction:g}): {causes}")
+
+
+def run_streamed(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_concurrent: int,
+                 out: Path, stale: tuple[Path, ...] = ()) -> list[Trajectory]:
+    """`run_episodes`, each trajectory appended to `out` as it finishes, so that a crash or a
+    Ctrl-C keeps the finished ones (said on stderr); then `out` is rewritten in task order. `stale`
+    files (an earlier run's summary) are removed first: they would pass for this run's."""
+    for path in stale:
+        path.unlink(missing_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with out.open("w", encoding="utf-8") as f:
+        def keep(traj: Trajectory) -> None:
+            nonlocal written
+            f.write(json.dumps(traj.to_json(), ensure_ascii=False) + "\n")
+            f.flush()
+            written += 1
+
+        try:
+            trajectories = run_episodes(runner, tasks, group_size, max_concurrent, on_done=keep)
+        except BaseException:
+            print(f"agentrl: stopped early: {written} finished episode(s) of {len(tasks) * group_size} "
+                  f"kept in {out}", file=sys.stderr)
+            raise
+    write_jsonl(trajectories, out)
+    return trajectories
 
 
 def write_jsonl(trajectories: list[Trajectory], path: str | Path, step: int | None = None) -> None:

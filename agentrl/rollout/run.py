@@ -23,7 +23,7 @@ from agentrl.env.interaction import load_interaction
 from agentrl.env.rewards import load_reward_fn
 from agentrl.env.tool_env import ToolLimits
 from agentrl.models import load_model, load_tokenizer
-from agentrl.rollout.collect import check_failures, run_episodes, summarize, write_jsonl
+from agentrl.rollout.collect import check_failures, run_streamed, summarize
 from agentrl.rollout.engine import Engine
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_ids
 from agentrl.rollout.hf_engine import HFEngine
@@ -148,11 +148,11 @@ def run_rollout(config: RecipeConfig) -> dict[str, float]:
     runner, tasks = build_runner(config)
     write_run_config(config)
     started = time.perf_counter()
-    trajectories = run_episodes(runner, tasks, config.rollout.group_size, config.rollout.max_concurrent_episodes)
-    summary = summarize(trajectories, time.perf_counter() - started)
     out = Path(config.output_dir) / "rollout.jsonl"
-    write_jsonl(trajectories, out)
     summary_path = out.with_name("rollout_summary.json")
+    trajectories = run_streamed(runner, tasks, config.rollout.group_size, config.rollout.max_concurrent_episodes,
+                                out, stale=(summary_path,))
+    summary = summarize(trajectories, time.perf_counter() - started)
     summary_path.write_text(json.dumps(summary, indent=2))
     print(f"wrote {len(trajectories)} trajectories to {out}")
     for key, value in summary.items():
@@ -176,13 +176,13 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
     runner, tasks = build_runner(eval_config, files_key="eval.files" if e.files else "data.files")
     write_run_config(config)
     started = time.perf_counter()
-    trajectories = run_episodes(runner, tasks, 1, config.rollout.max_concurrent_episodes)
+    out = Path(config.output_dir) / f"eval_{Path(config.model.path).name}.jsonl"  # one file per evaluated model
+    trajectories = run_streamed(runner, tasks, 1, config.rollout.max_concurrent_episodes, out,
+                                stale=(out.with_suffix(".json"),))
     summary = summarize(trajectories, time.perf_counter() - started)
     # A failed episode counts as wrong: accuracy is over every held-out task.
     summary["accuracy"] = sum(t.metrics.get("outcome_reward", 0.0) for t in trajectories
                               if t.finish != "error") / len(trajectories)
-    out = Path(config.output_dir) / f"eval_{Path(config.model.path).name}.jsonl"  # one file per evaluated model
-    write_jsonl(trajectories, out)
     out.with_suffix(".json").write_text(json.dumps({"model": config.model.path, **summary}, indent=2))
     failed = f", {summary['episodes_failed']:.0f} failed" if summary["episodes_failed"] else ""
     print(f"eval {config.model.path}: accuracy {summary['accuracy']:.3f} on {len(tasks)} held-out tasks{failed}, "
