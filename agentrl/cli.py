@@ -1,15 +1,16 @@
 """`agentrl <command>`: parse arguments, call one function; a ConfigError becomes one line and exit
 status 2 (nothing ran), a RunFailed one line and exit status 1 (the run stopped), a Ctrl-C one line
-and exit status 130."""
+and exit status 130, SIGTERM or SIGHUP one line and 128 + the signal's number."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 
-from agentrl.errors import ConfigError, RunFailed
+from agentrl.errors import ConfigError, RunFailed, Terminated
 
 
 # command → (module, function taking a RecipeConfig); imported only when that command runs
@@ -179,8 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # without this, atexit and finally blocks never run
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _terminate)
     try:
         return args.func(args)
     except ConfigError as e:
@@ -189,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         print(f"agentrl: error: {e}", file=sys.stderr)
         return 1
+    except Terminated as e:
+        print(f"agentrl: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum  # as a shell reports a command ended by that signal
     except KeyboardInterrupt:
         print("agentrl: interrupted", file=sys.stderr)
-        return 130  # as a shell reports a command ended by SIGINT
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,3 +12,14 @@ class ConfigError(Exception):
 class RunFailed(Exception):
     """A run that started could not go on (too many failed episodes, a dead worker). Its message is
     one line with the cause; the CLI prints it and exits with status 1."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a supervisor, `timeout`, a closed terminal), raised where Ctrl-C's
+    KeyboardInterrupt would be, so the same clean-up runs: finished episodes are kept and a launched
+    SGLang server is stopped. A KeyboardInterrupt, so no plug-in's `sys.exit()` handling takes it
+    for one call's failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -70,27 +70,39 @@ def test_rollout_and_eval_whose_episodes_failed_write_them_then_exit_1_naming_th
 
 
 def interrupting_grader(task, messages):
-    """Grades the first two tasks; on the third the user presses Ctrl-C."""
+    """Grades the first two tasks; on the third the user presses Ctrl-C, or (AGENTRL_TEST_SIGNAL)
+    a supervisor sends the process that signal."""
     if task.id.endswith("-2"):
+        if "AGENTRL_TEST_SIGNAL" in os.environ:
+            os.kill(os.getpid(), int(os.environ["AGENTRL_TEST_SIGNAL"]))
         raise KeyboardInterrupt
     return 1.0
 
 
-def test_an_interrupted_rollout_keeps_the_episodes_that_finished_and_no_stale_summary(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_rollout_keeps_the_episodes_that_finished_and_no_stale_summary(tmp_path, tiny_model_dir,
+                                                                                      signal_name):
     """Results used to be written only at the end: a Ctrl-C lost every finished episode, and an
-    earlier run's rollout.jsonl and summary stayed beside the new config.yaml as if they were its."""
+    earlier run's rollout.jsonl and summary stayed beside the new config.yaml as if they were its.
+    SIGTERM killed the process outright, so no clean-up ran (a launched SGLang server stayed up)."""
+    import signal
+
     out = tmp_path / "out"
     out.mkdir()
     (out / "rollout.jsonl").write_text('{"task_id": "from an earlier run"}\n' * 5)
     (out / "rollout_summary.json").write_text("{}")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    if signal_name == "SIGTERM":
+        env["AGENTRL_TEST_SIGNAL"] = str(int(signal.SIGTERM))
     done = subprocess.run(
         [sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml", f"model.path={tiny_model_dir}",
          f"output_dir={out}", "data.num_tasks=3", "rollout.group_size=1", "rollout.max_concurrent_episodes=1",
          "rollout.max_new_tokens_per_turn=4", "reward.function=tests.test_rollout_cli:interrupting_grader"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert done.returncode == 130, done.stderr[-2000:]
+        capture_output=True, text=True, timeout=300, env=env)
+    status, last = (130, "agentrl: interrupted") if signal_name == "SIGINT" else (143, "agentrl: terminated by SIGTERM")
+    assert done.returncode == status, done.stderr[-2000:]
     assert done.stderr.splitlines()[-2:] == [
-        f"agentrl: stopped early: 2 finished episode(s) of 3 kept in {out / 'rollout.jsonl'}", "agentrl: interrupted"]
+        f"agentrl: stopped early: 2 finished episode(s) of 3 kept in {out / 'rollout.jsonl'}", last]
     rows = [json.loads(line) for line in (out / "rollout.jsonl").read_text().splitlines()]
     assert [(r["task_id"], r["reward"]) for r in rows] == [("arith-0-0", 1.0), ("arith-0-1", 1.0)]
     assert not (out / "rollout_summary.json").exists()
