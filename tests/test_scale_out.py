@@ -170,3 +170,19 @@ def test_a_killed_worker_stops_the_run_within_a_minute_naming_it(tmp_path, tiny_
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("agentrl: error: policy rank 1 failed during ") and "died" in last, last
     assert stopped_after < 60, stopped_after
+
+
+def test_a_ray_address_where_nothing_answers_stops_the_run_naming_the_key(tmp_path, tiny_model_dir, env):
+    """`ray.init` retries an address nobody listens at forever, printing warnings: a typo in
+    trainer.ray_address, or a cluster that is down, used to hang the run."""
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nothing listens at once it is closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(train_command(tiny_model_dir, tmp_path / "run", "trainer.backend=ray", "trainer.world_size=2",
+                                        f"trainer.ray_address=127.0.0.1:{port}"),
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"agentrl: error: trainer.ray_address: no Ray cluster answers at '127.0.0.1:{port}' (ConnectionRefusedError")

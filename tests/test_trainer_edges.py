@@ -285,6 +285,56 @@ def test_lora_on_a_weight_the_embeddings_share_with_the_head_is_refused(targets,
     assert is_lora(add_lora(small_llama(tied=False), LoraSettings(rank=4, target_modules=targets), "/nonexistent"))
 
 
+def test_lora_on_a_lora_adapter_saves_one_that_loads_as_trained_from_anywhere(tmp_path, tiny_model_dir, tokenizer,
+                                                                            monkeypatch):
+    """LoRA RL from a LoRA SFT adapter (model.path given relative, as the quickstart's is) used to
+    save adapters whose recorded base was the raw model, or the relative path as given: `final/`
+    then loaded without the SFT adapter (eval scored another model) or not at all elsewhere."""
+    import os
+
+    from agentrl.config import LoraSettings
+    from agentrl.models import load_model
+    from agentrl.trainer.checkpoint import save_model
+    from agentrl.trainer.lora import add_lora, merged_weights
+
+    monkeypatch.chdir(tmp_path)
+    sft = add_lora(load_model(os.path.relpath(tiny_model_dir)), LoraSettings(rank=4), os.path.relpath(tiny_model_dir))
+    torch.manual_seed(0)
+    for name, p in sft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)  # a trained SFT adapter: B is no longer zero
+    save_model(sft, tokenizer, "runs/sft")
+    policy = add_lora(load_model("runs/sft"), LoraSettings(rank=4), "runs/sft")
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)  # and the RL adapter trained on top of it
+    trained = dict(merged_weights(policy))
+    save_model(policy, tokenizer, "runs/rl/final")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    reloaded = load_model(str(tmp_path / "runs/rl/final")).state_dict()
+    assert max((reloaded[name] - tensor).abs().max().item() for name, tensor in trained.items()) < 1e-6
+
+
+def test_lora_adapters_start_from_the_seed_not_from_the_processs_random_state():
+    """Each process's default torch seed is random: the adapters' A matrices (and so every LoRA run,
+    and each FSDP rank's shard of them) used to differ between runs of the same recipe."""
+    from agentrl.config import LoraSettings
+    from agentrl.trainer.lora import add_lora
+
+    def lora_a(process_seed: int, seed: int) -> torch.Tensor:
+        model = small_llama(tied=False)  # the same weights each time (it seeds itself)
+        torch.manual_seed(process_seed)
+        model = add_lora(model, LoraSettings(rank=4), "/nonexistent", seed=seed)
+        after = torch.rand(1)  # the caller's random stream is left where it was
+        torch.manual_seed(process_seed)
+        assert torch.equal(after, torch.rand(1))
+        return torch.cat([p.flatten() for n, p in model.named_parameters() if "lora_A" in n])
+
+    assert torch.equal(lora_a(1, seed=0), lora_a(2, seed=0)) and not torch.equal(lora_a(1, seed=0), lora_a(1, seed=3))
+
+
 def test_lora_target_modules_that_match_nothing_are_a_config_error():
     from agentrl.config import LoraSettings
     from agentrl.errors import ConfigError

@@ -71,6 +71,19 @@ class RoleActor:
         self._stop.wait()
 
 
+def check_ray_address(address: str, timeout_s: float = 10.0) -> None:
+    """RunFailed naming trainer.ray_address when nothing answers at its host and port: `ray.init`
+    retries such an address for as long as it is let, printing warnings, and never fails."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise RunFailed(f"trainer.ray_address: no Ray cluster answers at '{address}' "
+                        f"({type(e).__name__}: {e})") from None
+
+
 class RayRoles(Roles):
     """Every role as a group of Ray actors (trainer.backend 'ray')."""
 
@@ -79,6 +92,7 @@ class RayRoles(Roles):
         t = config.trainer
         self._started_ray = not ray.is_initialized() and t.ray_address is None
         if t.ray_address:
+            check_ray_address(t.ray_address)
             ray.init(address=t.ray_address, namespace="agentrl", log_to_driver=True)
         elif self._started_ray:
             start_local_ray(self._bundles())

@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 _PEFT_PREFIX = "base_model.model."
 
 
-def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str) -> torch.nn.Module:
-    """The model wrapped with fresh LoRA adapters (B = 0, so it starts as the base model). `base` is
-    what the model was loaded from (a directory, hub id or builtin name; itself possibly a saved
-    adapter), recorded in the adapter's config so that loading the adapter rebuilds the same model."""
+def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str, seed: int = 0) -> torch.nn.Module:
+    """The model wrapped with fresh LoRA adapters (B = 0, so it starts as the base model; A drawn
+    from `seed`, the same on every rank and in every run of a recipe, whatever the process's own
+    random state). `base` is what the model was loaded from (a directory, hub id or builtin name;
+    itself possibly a saved adapter), recorded in the adapter's config so that loading the adapter
+    rebuilds the same model."""
     from peft import LoraConfig, get_peft_model
 
     from agentrl.models import resolve_model
@@ -42,9 +44,14 @@ def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str) -> tor
                         task_type="CAUSAL_LM")
     refuse_tied_targets(model, config)
     resolved = resolve_model(base)
-    model.config._name_or_path = str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
+    recorded = str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
+    # peft records the instance's `name_or_path` (transformers sets it at load, relative as given,
+    # and merging a loaded adapter leaves the adapter's own base there), not the config's.
+    model.config._name_or_path = model.name_or_path = recorded
     try:
-        return get_peft_model(model, config)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+            torch.manual_seed(seed)
+            return get_peft_model(model, config)
     except ValueError as e:  # peft's NoMatchingPeftModuleError, or a layer type it cannot adapt
         raise ConfigError(f"model.lora.target_modules: peft cannot adapt {settings.target_modules!r} in this model "
                           f"({one_line(e)})") from None

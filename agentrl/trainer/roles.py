@@ -42,7 +42,7 @@ def make_policy(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> Po
     if config.model.lora.rank > 0:
         if t.activation_checkpointing:
             model.enable_input_require_grads()  # frozen embeddings: recomputed layers still need grads
-        model = add_lora(model, config.model.lora, config.model.path)
+        model = add_lora(model, config.model.lora, config.model.path, seed=config.seed)
     return PolicyWorker(
         model, pad_id, lr=t.lr, temperature=config.rollout.temperature, weight_decay=t.weight_decay,
         warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,

@@ -98,7 +98,7 @@ def run_sft(config) -> str:
     if config.model.lora.rank > 0:  # the adapters train and are saved; load_model merges them for use
         from agentrl.trainer.lora import add_lora
 
-        model = add_lora(model, config.model.lora, s.base_model)
+        model = add_lora(model, config.model.lora, s.base_model, seed=s.seed)
     started = time.perf_counter()
     bf16 = choose_dtype(s.dtype, next(model.parameters()).device).dtype == "bfloat16"
     losses = sft_train(model, samples, tokenizer.pad_token_id, s.steps, s.batch_size, s.lr, s.seed, bf16,
