@@ -1,6 +1,7 @@
 """`agentrl <command>`: parse arguments, call one function; a ConfigError becomes one line and exit
 status 2 (nothing ran), a RunFailed one line and exit status 1 (the run stopped), a Ctrl-C one line
-and exit status 130, SIGTERM or SIGHUP one line and 128 + the signal's number."""
+and exit status 130, and in the recipe commands SIGTERM or SIGHUP one line and 128 + the signal's
+number."""
 
 from __future__ import annotations
 
@@ -186,7 +187,8 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # without this, atexit and finally blocks never run
+    # Without this, atexit and finally blocks never run. Not for the servers: uvicorn handles its signals.
+    for signum in (signal.SIGTERM, signal.SIGHUP) if args.func is _recipe_command else ():
         if signal.getsignal(signum) == signal.SIG_DFL:
             signal.signal(signum, _terminate)
     try:

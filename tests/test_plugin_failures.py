@@ -443,3 +443,22 @@ def test_a_failed_episode_keeps_its_turns_and_tool_calls_and_a_grader_exiting_fa
     a, b = run_episodes(runner, [Task(id="a", prompt="Go."), Task(id="b", prompt="Go.")], group_size=1,
                         max_concurrent=2)
     assert (a.finish, a.reward, b.finish, b.error) == ("stop", 1.0, "error", "SystemExit: 2")
+
+
+def test_the_tool_server_exits_on_sigterm_with_a_call_that_swallows_even_its_closing_in_flight(tmp_path):
+    """uvicorn shuts the server down on SIGTERM; a stubborn call it would wait for at the end of its
+    loop must not keep the process alive (as a Ctrl-C-style handler of the recipe commands would)."""
+    import signal
+
+    proc, url = start_server(tmp_path, "--call-timeout", "0.2",
+                             tools_yaml="tools:\n  - class: tests.served_tools:retry_forever\n")
+    try:
+        with api(url) as client:
+            instance = client.post("/instances", json={"tool": "retry_forever"}).json()["instance_id"]
+            reply = client.post(f"/instances/{instance}/execute", json={"arguments": {"url": "x"}})
+            assert reply.json()["error"] == "TimeoutError: retry_forever did not finish within 0.2 s"
+        proc.terminate()  # uvicorn re-raises the signal once it has shut down: exit status -SIGTERM
+        assert proc.wait(20) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
