@@ -70,7 +70,7 @@ def run_streamed(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_
     with out.open("w", encoding="utf-8") as f:
         def keep(traj: Trajectory) -> None:
             nonlocal written
-            f.write(json.dumps(traj.to_json(), ensure_ascii=False) + "\n")
+            f.write(jsonl_line(traj))
             f.flush()
             written += 1
 
@@ -90,8 +90,13 @@ def write_jsonl(trajectories: list[Trajectory], path: str | Path, step: int | No
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for traj in trajectories:
-            row = traj.to_json() if step is None else {"step": step, **traj.to_json()}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write(jsonl_line(traj, step))
+
+
+def jsonl_line(traj: Trajectory, step: int | None = None) -> str:
+    """One trajectory as a JSONL line (with its training step when given)."""
+    row = traj.to_json() if step is None else {"step": step, **traj.to_json()}
+    return json.dumps(row, ensure_ascii=False) + "\n"
 
 
 def summarize(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]:

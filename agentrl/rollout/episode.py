@@ -34,6 +34,7 @@ from agentrl.types import SamplingParams, Task, Trajectory
 
 T = TypeVar("T")
 
+
 @dataclass
 class EpisodeSettings:
     max_turns: int = 4  # assistant turns
