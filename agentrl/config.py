@@ -117,6 +117,9 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     agent: str | None = Field(None, description="Agent function 'module:attr' run against the OpenAI-compatible "
                                                 "endpoint instead of the builtin loop (null: builtin).")
+    agent_timeout_s: float = Field(
+        1800.0, gt=0, description="Seconds one episode of the agent function may take, its requests to the "
+                                  "engine included; past it the episode fails (finish: error) and the run goes on.")
 
 
 class SGLangConfig(_Section):

@@ -319,6 +319,38 @@ def test_agent_failures_end_the_episode_as_errors(tokenizer):
         assert traj.metrics["error"] == 1.0 and len(engine.prompts) == 1
 
 
+async def hanging_agent(ctx, task):
+    """Its framework awaits something that never comes (a remote judge without a timeout), and a
+    retry loop in it swallows the first cancellation."""
+    await ctx.openai_client().chat.completions.create(model=ctx.model, messages=task.messages())
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        await asyncio.Event().wait()
+
+
+def test_an_agent_that_never_finishes_fails_its_episode_within_the_timeout(tokenizer):
+    """A hung agent function used to hold its episode, and the whole step, forever. Now it fails
+    at rollout.agent_timeout_s (plus the abandoned call's grace), naming the setting, and keeps
+    the turn it had recorded."""
+    from agentrl.rollout.run import episode_settings
+
+    assert episode_settings(RecipeConfig.model_validate(
+        {"rollout": {"agent_timeout_s": 0.25}})).agent_timeout_s == 0.25
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    runner = agent_runner(hanging_agent, engine, tokenizer, agent_timeout_s=0.3)
+    started = time.monotonic()
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    took = time.monotonic() - started
+    assert traj.finish == "error" and traj.reward is None and took < 5, took
+    assert traj.error == "TimeoutError: the agent function did not finish within 0.3 s (rollout.agent_timeout_s)"
+    assert [m["role"] for m in traj.messages] == ["user", "assistant"] and traj.messages[1]["content"] == ANSWER
+    assert traj.metrics["turns"] == 1 and sum(traj.loss_mask) == len(engine.turns[0])
+
+
 def test_a_prompt_over_the_context_limit_ends_as_length_like_the_builtin_loop(tokenizer):
     settings = {"max_context_tokens": 60}  # the task's prompt with the calculator schema is longer
     builtin = EpisodeRunner(ScriptedEngine(tokenizer, [ANSWER]), tokenizer, [calculator], parse_hermes,

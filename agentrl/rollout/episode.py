@@ -49,6 +49,7 @@ class EpisodeSettings:
     tool_final_rewards: bool = False  # add each tool's reward(instance) at the end
     interaction_scores: bool = False  # add the interaction's scores
     interaction_timeout_s: float = 60.0  # per call into the interaction; past it the episode fails
+    agent_timeout_s: float = 1800.0  # per episode of an agent function (rollout.agent); past it the episode fails
 
 
 class EpisodeRunner:

@@ -58,7 +58,7 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
         max_new_tokens_per_turn=r.max_new_tokens_per_turn, max_tool_output_tokens=r.max_tool_output_tokens,
         temperature=r.temperature, top_p=r.top_p, system_prompt=r.system_prompt,
         tool_limits=ToolLimits(timeout_s=r.tool_timeout_s, max_calls_per_turn=r.max_tool_calls_per_turn),
-        interaction_timeout_s=r.interaction_timeout_s,
+        interaction_timeout_s=r.interaction_timeout_s, agent_timeout_s=r.agent_timeout_s,
         tool_step_rewards=config.reward.tool_step_rewards, tool_final_rewards=config.reward.tool_final_rewards,
         interaction_scores=config.reward.interaction_scores)
 

@@ -19,9 +19,11 @@ The trajectory is the session's last segment (sessions.py says why), with `segme
 session has `rollout.max_turns` turns and `rollout.max_context_tokens` tokens. Finish: that of the
 last sampled turn (`stop`, `length`); `max_turns` or `length` when the endpoint refused a request
 at a limit (the agent's exception from that refusal ends the episode normally); `error` for any
-other exception (`SystemExit` too), or when the agent made no request with its session. An episode refused before
-its first turn (a prompt longer than `rollout.max_context_tokens`) records what the builtin loop
-records for it: the task's prompt, rendered, nothing trainable, finish `length`.
+other exception (`SystemExit` too), for an agent still running after `rollout.agent_timeout_s`
+(cancelled; what it recorded is kept), or when the agent made no request with its session. An
+episode refused before its first turn (a prompt longer than `rollout.max_context_tokens`) records
+what the builtin loop records for it: the task's prompt, rendered, nothing trainable, finish
+`length`.
 
 This module does not sample, interpret turns or record (service.py and sessions.py do).
 """
@@ -180,7 +182,11 @@ class AgentRunner:
         failure: Exception | None = None
         try:  # from here on, whatever happens (a cancellation while the tools start too), they are released
             await env.start(session_id, task)
-            await call_plugin(self.agent(ctx, task), None)  # a sys.exit() in it fails this episode, not the run
+            # call_plugin: a sys.exit() in it fails this episode, not the run; so does a hang
+            await call_plugin(self.agent(ctx, task), s.agent_timeout_s)
+        except asyncio.TimeoutError:
+            failure = TimeoutError(f"the agent function did not finish within {s.agent_timeout_s:g} s "
+                                   "(rollout.agent_timeout_s)")
         except Exception as e:  # a refusal at a limit ends the episode; anything else fails it (below)
             failure = e
         finally:
