@@ -39,14 +39,40 @@ async def ask(service: ChatService, body: dict, session_id: str | None = "s") ->
 
 def test_a_malformed_call_beside_valid_ones_stays_in_the_replys_text(tokenizer):
     other = CALL.replace("1234 * 5678", "2 + 2")
-    engine = ScriptedEngine(tokenizer, [f"First {CALL} then {BAD} and {other} done."])
+    sampled = f"First {CALL} then {BAD} and {other} done."
+    engine = ScriptedEngine(tokenizer, [sampled, f"{other} done.", BAD])
     service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
     body = {"messages": TASK.messages(), "tools": [calculator.schema]}
     message = asyncio.run(ask(service, body))["choices"][0]["message"]
-    assert message["content"] == f"First  then {BAD} and  done."  # only the blocks that parsed are taken out
+    # The whole turn as sampled: the Hermes template renders such a text verbatim, calls included.
+    assert message["content"] == sampled
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
         {"expression": "1234 * 5678"}, {"expression": "2 + 2"}]
     assert service.sessions.get("s").parse_errors == 1
+    # Without a malformed block only the text outside the calls is content; with nothing that
+    # parsed, the malformed block is all the content there is.
+    for expected in ("done.", BAD):
+        message = asyncio.run(ask(service, body))["choices"][0]["message"]
+        assert message["content"] == expected and len(message.get("tool_calls") or []) == int(expected == "done.")
+
+
+def test_a_reply_with_a_malformed_block_sent_back_renders_as_the_model_sampled_it(tokenizer):
+    """A client without a session (or one rewriting history) sends the reply back, and the
+    endpoint renders it again from the messages. The reply's content used to be the malformed
+    block alone beside the valid call; the template, seeing a call block in the content, skipped
+    `tool_calls`, so the model saw its call's result next to a turn that no longer held the call."""
+    turn = f"{CALL}\n{BAD}"
+    engine = ScriptedEngine(tokenizer, [turn, ANSWER])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    messages = TASK.messages()
+    reply = asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, None))
+    message = {k: v for k, v in reply["choices"][0]["message"].items() if v is not None}
+    call_id = message["tool_calls"][0]["id"]
+    messages += [message, {"role": "tool", "tool_call_id": call_id, "content": "7006652"},
+                 {"role": "tool", "name": "parse_error", "content": BAD_ERROR}]
+    asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, None))
+    sampled = engine.prompts[0] + engine.turns[0]
+    assert engine.prompts[1][:len(sampled)] == sampled  # the turn, both blocks, token for token
 
 
 async def reporting_agent(ctx, task):

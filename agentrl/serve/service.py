@@ -3,7 +3,9 @@
 The request's messages are rendered with the recipe's chat template and the request's own tool
 schemas; the sampled turn is parsed with the recipe's parser into `content` (the text outside the
 call blocks that parsed: a malformed block stays in it, so a client sees it and can answer it as the
-builtin loop does) and `tool_calls` (OpenAI form, arguments as a JSON string). With a session id the
+builtin loop does) and `tool_calls` (OpenAI form, arguments as a JSON string). Beside a malformed
+block, `content` is the whole turn as sampled where the template renders it verbatim (the Hermes
+one does), so that the reply sent back renders as the turn the model sampled. With a session id the
 turn is planned and recorded in sessions.py; without one it is served and forgotten.
 
 `logprobs` carries each sampled token's text and its own bytes: in a byte-level BPE vocabulary a
@@ -147,7 +149,12 @@ class ChatService:
             return SampledTurn(recorded, {"role": "assistant", "content": text}, exact, len(parsed.errors))
         calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
-        reply = {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
+        # Beside a malformed block the valid calls stay in the text too, when the template renders
+        # that text verbatim (hermes_chatml.jinja then skips `tool_calls`): a client sending the
+        # reply back without a session, or rewriting history, would otherwise render the turn
+        # without its valid calls, and the model would see results for calls it never made.
+        content = text if parsed.errors and recorded["content"] == text else parsed.content or None
+        reply = {"role": "assistant", "content": content, "tool_calls": calls}
         return SampledTurn(recorded, reply, exact, len(parsed.errors))
 
     def _response(self, request: ChatRequest, reply: dict[str, Any], completion: Completion, prompt_len: int,
