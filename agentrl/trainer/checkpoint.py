@@ -7,7 +7,8 @@ so a killed run never leaves a half-written one.
   state saved sharded with torch.distributed.checkpoint (each rank writes its own shard; a run can
   resume at another world size), and `trainer_state.pt` with what the driver keeps: the step (which
   is also the data cursor), the metrics so far, the learning-rate schedules, the batch-order RNGs,
-  every engine replica's sampling RNG and torch's global RNG. The newest complete one is found by
+  every engine replica's sampling RNG and torch's global RNG; beside each sharded state, every
+  rank's own torch RNGs (`torch_rng_rank<N>.pt`). The newest complete one is found by
   `latest_checkpoint`; older ones are pruned to `trainer.keep_checkpoints`.
 
 A checkpoint directory is complete exactly when it has its final name.
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from agentrl.trainer.distributed import Ranks
 
 TRAINER_STATE = "trainer_state.pt"
+RNG_PREFIX = "torch_rng_rank"  # + rank + .pt, beside each sharded state
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -147,6 +149,7 @@ def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
     with warnings.catch_warnings():  # one process is a valid case, not a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
+    torch.save(_rng_state(), Path(path) / f"{RNG_PREFIX}{ranks.rank}.pt")
 
 
 def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: "Ranks") -> None:
@@ -158,6 +161,22 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    rng = Path(path) / f"{RNG_PREFIX}{ranks.rank}.pt"
+    if rng.is_file():  # absent where the checkpoint was written at a smaller world size
+        _set_rng_state(torch.load(rng, weights_only=False))
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's torch RNGs: the dropout of a rank's forward passes (LoRA's) draws from them,
+    and under Ray a rank is its own process, which the driver's saved RNG does not cover."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:

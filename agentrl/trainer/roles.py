@@ -43,6 +43,10 @@ def make_policy(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> Po
         if t.activation_checkpointing:
             model.enable_input_require_grads()  # frozen embeddings: recomputed layers still need grads
         model = add_lora(model, config.model.lora, config.model.path, seed=config.seed)
+    # Dropout in the policy's forward passes (LoRA's) draws from this process's torch RNG: seeded
+    # per rank from the recipe, so that a run repeats and a Ray rank, a process of its own, does
+    # not start from wherever its start-up left the RNG. Checkpoints keep it (save_sharded).
+    torch.manual_seed(config.seed + ranks.rank)
     return PolicyWorker(
         model, pad_id, lr=t.lr, temperature=config.rollout.temperature, weight_decay=t.weight_decay,
         warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
