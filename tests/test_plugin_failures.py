@@ -457,6 +457,7 @@ def test_the_tool_server_exits_on_sigterm_with_a_call_that_swallows_even_its_clo
             instance = client.post("/instances", json={"tool": "retry_forever"}).json()["instance_id"]
             reply = client.post(f"/instances/{instance}/execute", json={"arguments": {"url": "x"}})
             assert reply.json()["error"] == "TimeoutError: retry_forever did not finish within 0.2 s"
+            assert client.get("/stats").json()["abandoned_calls"] == 1  # it still runs, on no slot
         proc.terminate()  # uvicorn re-raises the signal once it has shut down: exit status -SIGTERM
         assert proc.wait(20) == -signal.SIGTERM
     finally:

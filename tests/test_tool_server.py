@@ -213,6 +213,7 @@ def test_limits_on_instances_concurrency_and_call_time(tmp_path):
         assert time.perf_counter() - started >= 1.0  # one at a time
         slow = client.post(f"/instances/{first}/execute", json={"arguments": {"seconds": 5}}).json()
         assert slow["error"] == "TimeoutError: nap did not finish within 1 s"
+        assert client.get("/stats").json()["abandoned_calls"] == 0  # the nap ended when cancelled
         deadline = time.monotonic() + 10  # unused for the 2 s TTL: both are released by the server
         while client.get("/stats").json()["live_instances"] and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -4,9 +4,9 @@ FastAPI (run by uvicorn) does the routing and validates every body with pydantic
 what a tool server shared by many rollout workers needs: a bearer token on every call but
 `/health`, a semaphore bounding tool calls in flight, a cap on request bodies (uvicorn has none),
 a cap on live instances with expiry of those a client never releases, a per-call timeout, and
-per-tool call counts, errors and latencies at `/stats`. A tool that raises or times out answers
-200 with `error` set, so a 5xx always means the server itself failed; a bad request answers 4xx with
-a one-line JSON `detail`.
+per-tool call counts, errors and latencies at `/stats` (`abandoned_calls`: timed-out calls still
+running, their cancellation ignored). A tool that raises or times out answers 200 with `error` set,
+so a 5xx always means the server itself failed; a bad request answers 4xx with a one-line `detail`.
 
 API (JSON): `GET /tools` → `{"tools": [schema, ...]}`; `POST /instances {"tool", "kwargs",
 "instance_id"}` → `{"instance_id", "error"}`; `POST /instances/{id}/execute {"arguments"}` →
@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.tools.base import Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
-from agentrl.tools.threads import call_plugin, failure_text
+from agentrl.tools.threads import abandoned_calls, call_plugin, failure_text
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ class ToolHost:
         self.creating: dict[str, bool] = {}  # instances whose create is running: whether a release came meanwhile
         self.gate = asyncio.Semaphore(settings.max_concurrency)
         self.stats: dict[str, dict[str, OpStats]] = defaultdict(lambda: defaultdict(OpStats))
-        self.expired = 0
-        self.responses: Counter[int] = Counter()
+        self.expired, self.responses = 0, Counter[int]()
 
     async def call(self, name: str, op: str, start: Callable[[], Awaitable[Any]]) -> tuple[Any, str | None]:
         """Run one tool method under the gate and the timeout; (value, None) or (None, error)."""
@@ -224,6 +223,7 @@ def _info_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
     async def stats() -> dict[str, Any]:
         return {"tools": {name: {op: s.as_dict() for op, s in ops.items()} for name, ops in host.stats.items()},
                 "live_instances": len(host.instances), "expired_instances": host.expired,
+                "abandoned_calls": abandoned_calls(),
                 "responses": {str(status): n for status, n in sorted(host.responses.items())}}
 
 

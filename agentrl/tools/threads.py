@@ -203,6 +203,13 @@ async def call_plugin(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> 
     return task.result()
 
 
+def abandoned_calls() -> int:
+    """Plug-in calls of the running loop that were given up on (timed out, or their caller was
+    cancelled) and are still running: each one ignored its cancellation."""
+    loop = asyncio.get_running_loop()
+    return sum(1 for task in _abandoned if task.get_loop() is loop and not task.done())
+
+
 async def _contained(coro: Coroutine[Any, Any, T]) -> T:
     try:
         return await coro
