@@ -188,3 +188,52 @@ def test_a_ray_address_where_nothing_answers_stops_the_run_naming_the_key(tmp_pa
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith(
         f"agentrl: error: trainer.ray_address: no Ray cluster answers at '127.0.0.1:{port}' (ConnectionRefusedError")
+
+
+def checked(address: str, env: dict[str, str]) -> str:
+    """What check_ray_address says about `address` in a process of its own: Ray reads its auth
+    settings from the environment once per process."""
+    probe = ("import sys; from agentrl.errors import RunFailed; from agentrl.trainer.launch import check_ray_address\n"
+             "try:\n    check_ray_address(sys.argv[1], timeout_s=5)\nexcept RunFailed as e:\n    print(e)\n"
+             "else:\n    print('ok')")
+    return subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, env=env,
+                          timeout=60).stdout.strip()
+
+
+def test_a_ray_address_where_something_else_listens_fails_at_once_and_a_real_head_passes(env):
+    """`ray.init` retried a port where an HTTP server (say) answers for about 14 minutes; the check
+    asks the GCS the first question Ray's start-up asks, with a time limit. A real head started with
+    `ray start` on loopback passes it, and one that wants another auth token is named as such."""
+    import http.server
+    import secrets
+    import socket
+    import threading
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        assert checked(f"127.0.0.1:{web.server_port}", env).startswith(
+            f"trainer.ray_address: no Ray cluster answers at '127.0.0.1:{web.server_port}': something else listens "
+            "there (UNAVAILABLE")
+    finally:
+        web.shutdown()
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # The head's own token, so that no token of the machine's (~/.ray/auth_token) is involved.
+    env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
+                             "--num-cpus=1", "--include-dashboard=false", "--node-ip-address=127.0.0.1", "--block",
+                             "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (said := checked(f"127.0.0.1:{port}", env)) != "ok":  # the head takes a few seconds to listen
+            assert head.poll() is None and time.monotonic() < deadline, said
+            time.sleep(0.5)
+        assert checked(f"127.0.0.1:{port}", {**env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}).startswith(
+            f"trainer.ray_address: the Ray cluster at '127.0.0.1:{port}' refused this process's auth token")
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and the head processes it started
+        head.wait()

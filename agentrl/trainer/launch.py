@@ -72,8 +72,9 @@ class RoleActor:
 
 
 def check_ray_address(address: str, timeout_s: float = 10.0) -> None:
-    """RunFailed naming trainer.ray_address when nothing answers at its host and port: `ray.init`
-    retries such an address for as long as it is let, printing warnings, and never fails."""
+    """RunFailed naming trainer.ray_address unless a Ray cluster answers there: `ray.init` retries
+    an address where nothing listens, or where something other than Ray's GCS does (a wrong port),
+    for about 14 minutes, printing warnings, deaf to Ctrl-C while each attempt blocks."""
     if address == "auto":
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -82,6 +83,30 @@ def check_ray_address(address: str, timeout_s: float = 10.0) -> None:
     except (OSError, ValueError) as e:
         raise RunFailed(f"trainer.ray_address: no Ray cluster answers at '{address}' "
                         f"({type(e).__name__}: {e})") from None
+    if not address.startswith("ray://"):  # a Ray Client server is not a GCS: the TCP check is all
+        _check_gcs(address, timeout_s)
+
+
+def _check_gcs(address: str, timeout_s: float) -> None:
+    """The one call Ray's own start-up makes first (GetClusterId), on a channel set up as Ray sets
+    it up (TLS, auth token); Ray has no public way to ask with a time limit."""
+    import grpc
+    from ray._private.gcs_utils import create_gcs_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    channel = create_gcs_channel(address)
+    try:
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(gcs_service_pb2.GetClusterIdRequest(),
+                                                                           timeout=timeout_s)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise RunFailed(f"trainer.ray_address: the Ray cluster at '{address}' refused this process's auth token "
+                            "(or its lack of one): set RAY_AUTH_MODE=token and the cluster's token "
+                            "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)") from None
+        raise RunFailed(f"trainer.ray_address: no Ray cluster answers at '{address}': something else listens "
+                        f"there ({e.code().name}: {e.details()})") from None
+    finally:
+        channel.close()
 
 
 class RayRoles(Roles):
