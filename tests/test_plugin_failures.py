@@ -463,3 +463,41 @@ def test_the_tool_server_exits_on_sigterm_with_a_call_that_swallows_even_its_clo
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@tool
+async def blocking_fetch(url: str) -> str:
+    """Fetches a page the blocking way (requests.get in an async def).
+
+    Args:
+        url: The page.
+    """
+    time.sleep(1.3)
+    return "page"
+
+
+@tool
+async def polite_fetch(url: str) -> str:
+    """Fetches a page in several awaited pieces, 1.5 s in all.
+
+    Args:
+        url: The page.
+    """
+    for _ in range(5):
+        await asyncio.sleep(0.3)
+    return "page"
+
+
+def test_an_async_tool_that_blocks_the_event_loop_is_named_once_and_the_run_goes_on(tokenizer, capsys):
+    """Nothing can interrupt a coroutine that never yields: every episode waits and no timeout can
+    fire. The call completes, and a warning names the tool once and says what to do; a tool that
+    takes as long but awaits as it goes is not named."""
+    turns = [call("blocking_fetch", url="a"), call("polite_fetch", url="b"), call("blocking_fetch", url="c"), FINAL]
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, turns), tokenizer, [blocking_fetch, polite_fetch], parse_hermes,
+                           EpisodeSettings())
+    traj = run_with_daemon_threads(runner.run(Task(id="t", prompt="Go."), "g"))
+    assert traj.finish == "stop" and [m["content"] for m in traj.messages if m["role"] == "tool"] == ["page"] * 3
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("agentrl: warning:")]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("agentrl: warning: the tool 'blocking_fetch' (execute) held the event loop for 1.")
+    assert "await asyncio.to_thread(...)" in warnings[0]

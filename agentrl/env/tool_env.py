@@ -53,8 +53,8 @@ class ToolEnv:
             kwargs = {"ground_truth": task.answer, **task.tool_kwargs.get(name, {})}
             instance_id = f"{episode_id}/{name}"
             try:
-                self.instance_ids[name] = await call_plugin(t.create(instance_id, **kwargs),
-                                                            self.limits.timeout_s) or instance_id
+                self.instance_ids[name] = await call_plugin(t.create(instance_id, **kwargs), self.limits.timeout_s,
+                                                            f"the tool '{name}' (create)") or instance_id
             except asyncio.CancelledError:  # the episode is cancelled: what the create made is still freed
                 await self._quietly(t.release(instance_id))
                 raise
@@ -95,8 +95,8 @@ class ToolEnv:
         try:
             # A copy: a tool that edits its arguments in place must not rewrite the recorded call.
             arguments = copy.deepcopy(call.arguments)
-            result = await call_plugin(
-                self.tools[call.name].execute(self.instance_ids[call.name], arguments), self.limits.timeout_s)
+            result = await call_plugin(self.tools[call.name].execute(self.instance_ids[call.name], arguments),
+                                       self.limits.timeout_s, f"the tool '{call.name}' (execute)")
             text = self._result_text(call.name, result)
         except asyncio.TimeoutError:
             self.metrics["tool_timeouts"] += 1
@@ -159,7 +159,7 @@ class ToolEnv:
         for name, instance_id in self.instance_ids.items():
             t = self.tools[name]
             try:
-                reward = await call_plugin(t.reward(instance_id), self.limits.timeout_s)
+                reward = await call_plugin(t.reward(instance_id), self.limits.timeout_s, f"the tool '{name}' (reward)")
                 number = finite_number(reward)
                 if reward is not None and number is None:
                     self.metrics["tool_invalid_results"] += 1

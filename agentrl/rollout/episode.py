@@ -144,10 +144,10 @@ class EpisodeRunner:
     async def _interaction_call(self, coro: Coroutine[Any, Any, T]) -> T:
         """One call into the interaction through `call_plugin`: a `sys.exit()` in it, or a judge that
         never answers (a hung HTTP call), fails this episode, not the run."""
+        method = getattr(coro, "__qualname__", "call").rsplit(".", 1)[-1]
         try:
-            return await call_plugin(coro, self.settings.interaction_timeout_s)
+            return await call_plugin(coro, self.settings.interaction_timeout_s, f"the interaction's {method}")
         except asyncio.TimeoutError:
-            method = getattr(coro, "__qualname__", "call").rsplit(".", 1)[-1]
             raise TimeoutError(f"the interaction's {method} did not answer within "
                                f"{self.settings.interaction_timeout_s:g} s (rollout.interaction_timeout_s)") from None
 

@@ -183,7 +183,8 @@ class AgentRunner:
         try:  # from here on, whatever happens (a cancellation while the tools start too), they are released
             await env.start(session_id, task)
             # call_plugin: a sys.exit() in it fails this episode, not the run; so does a hang
-            await call_plugin(self.agent(ctx, task), s.agent_timeout_s)
+            await call_plugin(self.agent(ctx, task), s.agent_timeout_s, f"the agent function "
+                              f"'{getattr(self.agent, '__qualname__', self.agent)}'")
         except asyncio.TimeoutError:
             failure = TimeoutError(f"the agent function did not finish within {s.agent_timeout_s:g} s "
                                    "(rollout.agent_timeout_s)")

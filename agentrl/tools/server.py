@@ -93,11 +93,11 @@ class ToolHost:
     async def call(self, name: str, op: str, start: Callable[[], Awaitable[Any]]) -> tuple[Any, str | None]:
         """Run one tool method under the gate and the timeout; (value, None) or (None, error)."""
         async with self.gate:
-            started = time.perf_counter()
+            started, limit = time.perf_counter(), self.settings.call_timeout_s
             try:  # call_plugin: a tool's sys.exit() fails its call, not the server
-                value, error = await call_plugin(start(), self.settings.call_timeout_s), None
+                value, error = await call_plugin(start(), limit, f"the tool '{name}' ({op})"), None
             except asyncio.TimeoutError:
-                value, error = None, f"TimeoutError: {name} did not finish within {self.settings.call_timeout_s:g} s"
+                value, error = None, f"TimeoutError: {name} did not finish within {limit:g} s"
             except Exception as e:
                 value, error = None, failure_text(e)
             elapsed = time.perf_counter() - started

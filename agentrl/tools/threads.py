@@ -13,7 +13,10 @@ threads), nobody waits for it, and the process exits without joining it. A call 
 it started never runs and is dropped from the queue. This module does not kill threads (Python
 cannot); code that must be stopped runs in a subprocess (the `python` tool does).
 
-`call_plugin` is the same rule for a plug-in's coroutines. `asyncio.wait_for` cancels a call that
+`call_plugin` is the same rule for a plug-in's coroutines. It also times each stretch a coroutine
+runs without yielding: an `async def` tool that calls blocking code (`time.sleep`, `requests`)
+holds the whole event loop, every episode waits and no timeout can fire; past BLOCK_WARN_S a
+warning names the plug-in once, since nothing can interrupt it. `asyncio.wait_for` cancels a call that
 ran out of time and then waits for it to end, without a limit: a tool that swallows cancellation
 (a retry loop under a bare `except:`) would hold its episode, and the whole step, forever. And what a
 plug-in raises outside `Exception` (`SystemExit` from an argparse or click wrapper, a
@@ -26,13 +29,17 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
+import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 _names = itertools.count(1)
 GRACE_S = 1.0  # how long a cancelled plug-in coroutine may take to end before it is abandoned
+BLOCK_WARN_S = 1.0  # a plug-in coroutine holding the event loop this long in one stretch is named
+_blockers_named: set[str] = set()
 _abandoned: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 _plugin_calls: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # every call_plugin task still alive
 _Work = tuple[concurrent.futures.Future, Callable[[], Any]]
@@ -182,13 +189,14 @@ def failure_text(error: BaseException) -> str:
     return f"{type(error).__name__}{': ' + detail if detail else ''}"
 
 
-async def call_plugin(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
+async def call_plugin(coro: Coroutine[Any, Any, T], timeout_s: float | None, name: str | None = None) -> T:
     """Await a plug-in's coroutine for at most `timeout_s`: TimeoutError when it runs over, even if
     it ignores its cancellation (it gets GRACE_S to end, then is abandoned); PluginError for what
-    it raises outside `Exception`. Cancelling the caller cancels the call (with the same grace)."""
-    # Named after the plug-in's method: a call still running when its loop closes is logged by name.
-    name = f"plug-in call {getattr(coro, '__qualname__', type(coro).__name__)}"
-    task = asyncio.get_running_loop().create_task(_contained(coro), name=name)
+    it raises outside `Exception`. Cancelling the caller cancels the call (with the same grace).
+    `name` (default: the coroutine's qualified name) is what a warning about blocking says."""
+    name = name or getattr(coro, "__qualname__", type(coro).__name__)
+    # The task too: a call still running when its loop closes is logged by name.
+    task = asyncio.get_running_loop().create_task(_contained(_Stepwise(coro, name)), name=f"plug-in call {name}")
     _plugin_calls.add(task)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
@@ -210,7 +218,40 @@ def abandoned_calls() -> int:
     return sum(1 for task in _abandoned if task.get_loop() is loop and not task.done())
 
 
-async def _contained(coro: Coroutine[Any, Any, T]) -> T:
+class _Stepwise:
+    """Awaits a coroutine one step at a time, as a Task would, timing each step: what the step
+    yields goes to the Task unchanged, and what the Task sends or throws in (a result, a
+    cancellation, the GeneratorExit of closing) goes on to the coroutine."""
+
+    def __init__(self, coro: Coroutine[Any, Any, T], name: str):
+        self.coro, self.name = coro, name
+
+    def __await__(self) -> Any:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            started = time.perf_counter()
+            try:
+                step = self.coro.send(value) if error is None else self.coro.throw(error)
+            except StopIteration as done:
+                return done.value
+            finally:
+                self._check(time.perf_counter() - started)
+            try:
+                value, error = (yield step), None
+            except BaseException as e:  # noqa: BLE001 - handed on to the coroutine, which decides
+                value, error = None, e
+
+    def _check(self, held_s: float) -> None:
+        if held_s > BLOCK_WARN_S and self.name not in _blockers_named:
+            _blockers_named.add(self.name)
+            print(f"agentrl: warning: {self.name} held the event loop for {held_s:.1f} s without yielding: every "
+                  "episode waited and no timeout could fire meanwhile; run blocking code with `await "
+                  "asyncio.to_thread(...)`, or write the function without async (it then runs on a thread)",
+                  file=sys.stderr)
+
+
+async def _contained(coro: Coroutine[Any, Any, T] | _Stepwise) -> T:
     try:
         return await coro
     except SystemExit as e:  # a Task would re-raise it out of the event loop, ending the process
