@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,14 +63,20 @@ def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_pa
     rank sums its own share, then FSDP's reduce-scatter adds the two), which moves the ~7th digit.
     """
     runs = {}
+    # A cluster that `ray start` once recorded on this machine, long gone: the run's own Ray must
+    # not try to join it (ray.init() would, and refuse the run's CPU count).
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    (Path(ray_tmp) / "ray").mkdir()
+    (Path(ray_tmp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
     for backend, extra in (("local", []), ("ray", ["trainer.world_size=2"])):
         out = tmp_path / backend
         done = subprocess.run(train_command(tiny_model_dir, out, "trainer.steps=1", "algorithm.kl_coef=0.01",
                                             "algorithm.entropy_coef=0.01",
                                             f"trainer.backend={backend}", *extra),
-                              capture_output=True, text=True, timeout=600, env=env)
+                              capture_output=True, text=True, timeout=600, env={**env, "RAY_TMPDIR": ray_tmp})
         assert done.returncode == 0, done.stderr[-3000:]
         runs[backend] = out
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     local, ray = metrics(runs["local"])[0], metrics(runs["ray"])[0]
     assert trajectories(runs["ray"], 1) == trajectories(runs["local"], 1)  # one engine replica, same seed
     assert local["loss"] != 0 and local["grad_norm"] > 0
@@ -221,8 +229,10 @@ def test_a_ray_address_where_something_else_listens_fails_at_once_and_a_real_hea
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    # The head's own token, so that no token of the machine's (~/.ray/auth_token) is involved.
-    env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # The head's own token, so that no token of the machine's (~/.ray/auth_token) is involved, and
+    # its own temporary directory: `ray start` records its cluster there, for later ray.init()s.
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": ray_tmp}
     head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
                              "--num-cpus=1", "--include-dashboard=false", "--node-ip-address=127.0.0.1", "--block",
                              "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL,
@@ -237,3 +247,4 @@ def test_a_ray_address_where_something_else_listens_fails_at_once_and_a_real_hea
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and the head processes it started
         head.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)

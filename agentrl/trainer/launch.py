@@ -247,9 +247,10 @@ class RayRoles(Roles):
 
 def start_local_ray(bundles: list[dict[str, float]]) -> None:
     """A Ray instance for this run only, on loopback (see roles.start_roles), without usage
-    reporting or a dashboard."""
+    reporting or a dashboard; `address="local"`, or `ray.init` would join a cluster that `ray
+    start` left recorded on this machine (and refuse the CPU count, or hang on a dead one)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cpus = max(sum(b.get("CPU", 0.0) for b in bundles), float(os.cpu_count() or 1))
     gpus = sum(b.get("GPU", 0.0) for b in bundles)
-    ray.init(num_cpus=int(cpus + 0.999), num_gpus=int(gpus), include_dashboard=False, namespace="agentrl",
-             _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+    ray.init(address="local", num_cpus=int(cpus + 0.999), num_gpus=int(gpus), include_dashboard=False,
+             namespace="agentrl", _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
