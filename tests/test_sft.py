@@ -33,6 +33,27 @@ def test_only_assistant_tokens_carry_loss(tokenizer):
     assert masked_text.count("<|im_end|>") == 3  # system, user and tool turns; the assistant's are trained
 
 
+def test_turns_end_with_the_templates_end_token_and_their_text_stays_text(tokenizer):
+    """Two ways SFT used to train tokens the policy never samples: with an eos other than the
+    template's end of turn (Qwen's base models: <|endoftext|> and <|im_end|>), every turn was cut
+    and ended with eos, the newline after it lost; and a demonstration that mentions <|im_end|>
+    was taught to stop in the middle of its sentence."""
+    import copy
+
+    qwen_like = copy.deepcopy(tokenizer)
+    qwen_like.eos_token = "<|endoftext|>"
+    literal = "Use <|im_end|> to end a turn."
+    messages = MESSAGES[:4] + [{"role": "assistant", "content": literal}]
+    for tok in (qwen_like, tokenizer):
+        sample = conversation_sample(ChatRenderer(tok, [calculator]), messages)
+        rendered = tok.apply_chat_template(messages, tools=[calculator.schema], tokenize=False)
+        assert tok.decode(sample.token_ids) + "\n" == rendered
+        trained = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
+        as_text = tok(literal, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        assert trained == tok(CALL, add_special_tokens=False)["input_ids"] + [2] + as_text + [2]
+        assert trained.count(2) == 2 and (tok is tokenizer or tok.eos_token_id not in trained)
+
+
 def test_sft_steps_raise_demonstration_likelihood(tokenizer, tiny_model):
     sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES)
     batch = pad_sequences([sample.token_ids], [sample.loss_mask], tokenizer.pad_token_id)

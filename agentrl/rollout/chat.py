@@ -40,6 +40,7 @@ class ChatRenderer:
         self.schemas = [t.schema for t in tools] or None
         added = getattr(tokenizer, "added_tokens_decoder", {}).values()
         self.special_texts = {t for t in tokenizer.all_special_tokens if t} | {t.content for t in added if t.special}
+        self.stop_ids = set(stop_token_ids(tokenizer))
 
     def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
@@ -148,10 +149,15 @@ class ChatRenderer:
         message = normalize_tool_calls(message)
         prompt = self.render_text(history, add_generation_prompt=True)
         full = self.render_text(history + [message], add_generation_prompt=False)
-        eos = self.tokenizer.eos_token or ""
-        if full.startswith(prompt) and eos and eos in full[len(prompt):]:
-            body = full[len(prompt):]
-            return self.encode(body[: body.rfind(eos) + len(eos)]), False
+        if full.startswith(prompt):
+            # The turn ends with the last token that stops sampling (the template's end of turn,
+            # which need not be eos: Qwen's base models); the message's own text is kept as text
+            # (encode_rendered), so a literal `<|im_end|>` in it cannot end the turn early.
+            ids = self.encode_rendered(full[len(prompt):], [message], lambda marked: self.render_text(
+                history + marked, add_generation_prompt=False)[len(prompt):])
+            ends = [i for i, token in enumerate(ids) if token in self.stop_ids]
+            if ends:
+                return ids[: ends[-1] + 1], False
         parts = [message.get("content") or ""] + [
             "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
                                          ensure_ascii=False) + "\n</tool_call>"
@@ -185,3 +191,20 @@ def normalize_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
                 pass
         normalized.append({"type": "function", "function": {"name": fn.get("name"), "arguments": fn.get("arguments", {})}})
     return {**message, "tool_calls": normalized}
+
+
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end an assistant turn: the special token the chat template closes an assistant
+    turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), the tokenizer's
+    end of sequence, and <|im_end|> where the vocabulary has it."""
+    ids = {tokenizer.eos_token_id}
+    if "<|im_end|>" in tokenizer.get_vocab():  # not convert_tokens_to_ids: that maps a missing token to <unk>
+        ids.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    try:
+        text = tokenizer.apply_chat_template(turn, tokenize=False) if getattr(tokenizer, "chat_template", None) else ""
+    except Exception:  # a template may refuse this probe (one that demands a system turn): eos is still there
+        text = ""
+    after = tokenizer(text[text.rfind("y") + 1:], add_special_tokens=False)["input_ids"][:1] if text else []
+    ids.update(i for i in after if i in tokenizer.all_special_ids)
+    return tuple(sorted(i for i in ids if i is not None))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 from agentrl.env.interaction import Interaction
 from agentrl.env.rewards import RewardFn
 from agentrl.env.tool_env import ToolEnv, ToolLimits
-from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer, stop_token_ids
 from agentrl.rollout.engine import Engine
 from agentrl.tools.base import Tool, finite_number
 from agentrl.tools.parsers import ParsedTurn
@@ -174,23 +174,6 @@ class EpisodeRunner:
                        + (sum(scores) if s.interaction_scores else 0.0))
         traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(step_rewards),
                              "tool_final_reward": tool_final, "interaction_score": sum(scores)})
-
-
-def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end an assistant turn: the special token the chat template closes an assistant
-    turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), the tokenizer's
-    end of sequence, and <|im_end|> where the vocabulary has it."""
-    ids = {tokenizer.eos_token_id}
-    if "<|im_end|>" in tokenizer.get_vocab():  # not convert_tokens_to_ids: that maps a missing token to <unk>
-        ids.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    try:
-        text = tokenizer.apply_chat_template(turn, tokenize=False) if getattr(tokenizer, "chat_template", None) else ""
-    except Exception:  # a template may refuse this probe (one that demands a system turn): eos is still there
-        text = ""
-    after = tokenizer(text[text.rfind("y") + 1:], add_special_tokens=False)["input_ids"][:1] if text else []
-    ids.update(i for i in after if i in tokenizer.all_special_ids)
-    return tuple(sorted(i for i in ids if i is not None))
 
 
 def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[str, Any]]) -> float:
