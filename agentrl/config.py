@@ -101,7 +101,9 @@ class RolloutConfig(_Section):
     tool_configs: list[str] = Field(default_factory=list, description="Tool YAML files (tool_configs/*.yaml).")
     interaction_config: str | None = Field(None, description="Interaction YAML file, or null for none.")
     parser: Literal["hermes"] = Field("hermes", description="Function-call format the model emits.")
-    system_prompt: str | None = Field(None, description="System message placed before each task's prompt.")
+    system_prompt: str | None = Field(None, description="System message placed before each task's prompt "
+                                                        "(a task given as messages with its own system message "
+                                                        "keeps that one).")
     group_size: int = Field(4, ge=1, description="Episodes sampled per task (a GRPO group).")
     max_concurrent_episodes: int = Field(64, ge=1, description="Episodes in flight at once.")
     max_turns: int = Field(4, ge=1, description="Assistant turns per episode.")

@@ -231,7 +231,7 @@ def jsonl_objects(path: str | Path, cut_short_end: bool = False) -> Iterator[tup
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                row = json.loads(line)
+                row = json.loads(line, parse_constant=_not_json)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 if cut_short_end and not raw.endswith(b"\n"):
                     print(f"agentrl: {path}:{number}: the last line is cut short (the run stopped while writing "
@@ -243,6 +243,11 @@ def jsonl_objects(path: str | Path, cut_short_end: bool = False) -> Iterator[tup
             if not isinstance(row, dict):
                 raise ConfigError(f"{path}:{number}: expected a JSON object")
             yield number, row
+
+
+def _not_json(name: str) -> Any:
+    """Python's json reads NaN and Infinity, which are not JSON: an answer NaN would become 'nan'."""
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
 def conversation_file(path: str) -> list[list[dict[str, Any]]]:

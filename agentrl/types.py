@@ -24,8 +24,10 @@ class Task:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def messages(self, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        if isinstance(self.prompt, list):
-            return [dict(m) for m in self.prompt]
+        if isinstance(self.prompt, list):  # the recipe's system prompt, unless the task brings its own
+            own = [dict(m) for m in self.prompt]
+            has_system = any(m.get("role") == "system" for m in own)
+            return own if has_system or not system_prompt else [{"role": "system", "content": system_prompt}, *own]
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         return messages + [{"role": "user", "content": self.prompt}]
 

@@ -55,6 +55,8 @@ def test_jsonl_rows_with_field_mapping(tmp_path):
      "3: 'tool_kwargs' must map tool names to mappings of create() arguments"),
     ('{"question": "q", "answer": "#### 3",', "3: not valid JSON (Expecting property name enclosed in double quotes)"),
     ("[1, 2]", "3: expected a JSON object"),
+    ('{"question": "q", "answer": NaN}', "3: not valid JSON (NaN is not JSON)"),  # it would have been 'nan'
+
     (b'{"question": "caf\xe9", "answer": "1"}', "3: not UTF-8 text (byte 0xe9 at column 18)"),
 ])
 def test_a_bad_task_row_names_its_file_and_line(tmp_path, line, message):
@@ -182,3 +184,13 @@ def test_template_that_ignores_tools_is_replaced(tmp_path, tokenizer, capsys):
     assert load_tokenizer(str(tmp_path)).chat_template == plain
     assert "<tools>" in load_tokenizer(str(tmp_path), needs_tools=True).chat_template
     assert "ignores tools; using 'hermes'" in capsys.readouterr().err
+
+
+def test_the_recipes_system_prompt_opens_a_task_given_as_messages_unless_it_has_its_own():
+    """It used to be dropped for such tasks, so their RL prompts differed from the SFT ones."""
+    from agentrl.types import Task
+
+    asked = [{"role": "user", "content": "2 + 2?"}]
+    assert Task(id="a", prompt=asked).messages("Be brief.") == [{"role": "system", "content": "Be brief."}, *asked]
+    own = [{"role": "system", "content": "Think."}, *asked]
+    assert Task(id="b", prompt=own).messages("Be brief.") == own and Task(id="c", prompt=asked).messages() == asked

@@ -146,3 +146,14 @@ def test_interaction_config_values_are_converted_to_the_constructors_types(tmp_p
     path.write_text("interactions:\n  - {class: tests.test_interaction_and_rewards:Judge, "
                     "config: {model: judge-1, api_key: k, tolerance: 1e-6}}\n")
     assert load_interaction(path)().tolerance == 1e-6
+
+
+def test_a_reward_function_with_the_wrong_signature_stops_before_any_model_loads():
+    """It used to be found only after a whole rollout, every episode failed by its TypeError."""
+    from agentrl.env.rewards import load_reward_fn
+
+    with pytest.raises(ConfigError) as refused:
+        load_reward_fn("agentrl.env.rewards:final_answer_text")
+    assert str(refused.value) == ("reward.function: 'agentrl.env.rewards:final_answer_text' must take "
+                                  "(task, messages), not (messages: 'list[dict[str, Any]]') -> 'str'")
+    assert load_reward_fn("agentrl.env.rewards:gsm8k_reward").__name__ == "gsm8k_reward"

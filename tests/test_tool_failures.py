@@ -279,3 +279,31 @@ def test_cancelling_a_turn_waits_for_every_call_to_finish_its_cancellation():
 
     asyncio.run(main())
     assert log == ["fast cleaned up", "slow cleaned up", "turn cancelled"]
+
+
+class NumpyScores(Garbage):
+    """Rewards and metrics as numpy computes them, and a count too large for a float."""
+
+    schema = {"type": "function", "function": {"name": "numpy_scores", "description": "Scores.", "parameters": {
+        "type": "object", "properties": {}}}}
+
+    async def execute(self, instance_id, arguments):
+        import numpy as np
+
+        return ToolResult("scored", reward=np.float32(0.25), metrics={"hits": np.int64(3), "huge": 10**400})
+
+    async def reward(self, instance_id):
+        import numpy as np
+
+        return np.float64(1.5)
+
+
+def test_numpy_scalars_count_as_numbers_and_an_int_too_large_for_a_float_is_dropped(tokenizer):
+    """np.float32(0.25) used to be refused as no number (0 reward, counted invalid), and 10**400
+    failed the whole call with an OverflowError that replaced the tool's text."""
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, [call("numpy_scores"), FINAL]), tokenizer, [NumpyScores()],
+                           parse_hermes, EpisodeSettings(tool_step_rewards=True, tool_final_rewards=True))
+    traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), group_id="g"))
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["scored"]
+    assert (traj.metrics["tool_step_reward"], traj.metrics["tool_final_reward"], traj.reward) == (0.25, 1.5, 1.75)
+    assert traj.metrics["hits"] == 3.0 and "huge" not in traj.metrics and traj.metrics["tool_invalid_results"] == 1

@@ -120,6 +120,11 @@ def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
     ("tools:\n  - class: 123\n", "tool #1: key 'class' must be text ('module:attr' or a registered name), not 123"),
     ("tool:\n  - class: calculator\n", "expected a mapping with exactly one key 'tools' holding a list"),
     ("tools: [\n", "not valid YAML"),
+    ('tools:\n  - class: calculator\n    schema: {type: function, function: {name: "c\\n", parameters: {type: object}}}\n',
+     "tool 'c\\n' (#1): schema.function.name 'c\\n' must match"),  # `$` would match before the newline
+    ("tools:\n  - class: python\n    config: {timeout_s: .nan}\n",
+     "failed: wall_s must be a positive finite number, got nan"),  # `nan <= 0` is False
+    ("tools:\n  - class: python\n    config: {cpu_s: .inf}\n", "failed: cpu_s must be a positive finite number, got inf"),
 ])
 def test_bad_tool_files(tmp_path, body, message):
     path = write(tmp_path, body)

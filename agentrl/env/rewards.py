@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from agentrl.errors import ConfigError
@@ -37,4 +38,11 @@ def load_reward_fn(ref: str | None) -> RewardFn | None:
         raise ConfigError(f"reward.function: {e}") from None
     if not callable(fn):
         raise ConfigError(f"reward.function: '{ref}' is not callable")
+    try:  # found before any model loads, not after a whole rollout whose every episode failed
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise ConfigError(f"reward.function: '{ref}' must take (task, messages), not "
+                          f"{inspect.signature(fn)}") from None
+    except ValueError:  # no signature to read (some builtins): it is called as it is
+        pass
     return fn

@@ -13,6 +13,7 @@ import functools
 import inspect
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -140,9 +141,12 @@ def as_text(value: Any) -> str:
 
 
 def finite_number(value: Any) -> float | None:
-    """`value` as a finite float, or None (None, text, bools, NaN, infinity, objects): what a tool's
-    reward or metric must be to count."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """`value` as a finite float, or None (None, text, bools, NaN, infinity, an int too large for a
+    float, objects): what a tool's reward or metric must be to count. numpy's scalars are numbers."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    number = float(value)
+    try:
+        number = float(value)
+    except (OverflowError, TypeError, ValueError):
+        return None
     return number if math.isfinite(number) else None

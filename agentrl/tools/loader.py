@@ -240,7 +240,7 @@ def _entry_label(entry: Any, index: int) -> str:
     function = schema.get("function") if isinstance(schema, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if isinstance(name, str) and name:
-        return f"tool '{name}' (#{index})"
+        return f"tool {name!r} (#{index})"
     if isinstance(entry, dict) and isinstance(entry.get("class"), str):
         return f"tool #{index} (class '{entry['class']}')"
     return f"tool #{index}"

@@ -33,8 +33,8 @@ def check_schema(schema: Any) -> str | None:
         return problem
     if not isinstance(fn.get("name"), str):
         return "schema.function.name is missing"
-    if not _NAME_RE.match(fn["name"]):
-        return f"schema.function.name '{fn['name']}' must match {_NAME_RE.pattern}"
+    if not _NAME_RE.fullmatch(fn["name"]):  # match() would let a trailing newline through
+        return f"schema.function.name {fn['name']!r} must match {_NAME_RE.pattern}"
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict) or params.get("type") != "object":
         return "schema.function.parameters must be a JSON Schema with type: object"

@@ -11,6 +11,7 @@ The reply tells the model how the program ended (`exit code 0`, `exit code 1 (Me
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from typing import Any, Literal
@@ -33,8 +34,8 @@ class PythonTool:
             raise ValueError(f"isolation must be auto, bwrap or none, not '{isolation}'")
         self.limits = Limits(timeout_s, cpu_s, memory_mb, file_mb, disk_mb, max_processes, max_output_bytes)
         for key, value in vars(self.limits).items():
-            if value <= 0:
-                raise ValueError(f"{key} must be positive, got {value}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{key} must be a positive finite number, got {value}")
         self.python = resolve_python(python)
         problem = bwrap_problem() if isolation != "none" else "isolation: none was configured"
         if problem and isolation == "bwrap":
