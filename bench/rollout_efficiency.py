@@ -39,8 +39,8 @@ from agentrl.env.rewards import gsm8k_reward
 from agentrl.hardware import choose_dtype
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout.collect import collect, summarize
-from agentrl.rollout.chat import ChatRenderer
-from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_ids
+from agentrl.rollout.chat import ChatRenderer, stop_token_ids
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.tools.base import FunctionTool
 from agentrl.tools.builtin.calculator import calculator, evaluate, format_number

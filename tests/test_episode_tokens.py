@@ -155,7 +155,7 @@ def test_a_turn_that_ends_on_im_end_continues_after_it_when_eos_is_another_token
 def test_stop_ids_are_the_templates_turn_end_and_eos_and_never_unk(tokenizer):
     import copy
 
-    from agentrl.rollout.episode import stop_token_ids
+    from agentrl.rollout.chat import stop_token_ids
 
     assert stop_token_ids(tokenizer) == (2,)  # eos and the turn end are both <|im_end|>
     eot = copy.deepcopy(tokenizer)

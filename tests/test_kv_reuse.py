@@ -15,9 +15,9 @@ from transformers import MistralConfig
 
 from agentrl.data import arithmetic_tasks
 from agentrl.env.interaction import Turn
-from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer, stop_token_ids
 from agentrl.rollout.collect import collect
-from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_ids
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.errors import ConfigError
 from agentrl.models import plain_attention_layers

@@ -46,6 +46,15 @@ def env(tmp_path):
             "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+@pytest.fixture
+def ray_tmp():
+    """A temporary directory for Ray (RAY_TMPDIR), removed after the test; short, because Ray's
+    socket paths under it must fit in 107 bytes."""
+    path = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -55,7 +64,7 @@ def trajectories(run: Path, step: int) -> list[tuple[str, list[int]]]:
     return [(r["task_id"], r["token_ids"]) for r in rows]
 
 
-def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_path, tiny_model_dir, env):
+def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_path, tiny_model_dir, env, ray_tmp):
     """Same seed, same samples, same update: the first step's loss and gradient norm agree.
 
     Tolerance 1e-5 relative: both sides compute in float32 and normalise every rank's loss by the
@@ -65,7 +74,6 @@ def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_pa
     runs = {}
     # A cluster that `ray start` once recorded on this machine, long gone: the run's own Ray must
     # not try to join it (ray.init() would, and refuse the run's CPU count).
-    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     (Path(ray_tmp) / "ray").mkdir()
     (Path(ray_tmp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
     for backend, extra in (("local", []), ("ray", ["trainer.world_size=2"])):
@@ -76,7 +84,6 @@ def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_pa
                               capture_output=True, text=True, timeout=600, env={**env, "RAY_TMPDIR": ray_tmp})
         assert done.returncode == 0, done.stderr[-3000:]
         runs[backend] = out
-    shutil.rmtree(ray_tmp, ignore_errors=True)
     local, ray = metrics(runs["local"])[0], metrics(runs["ray"])[0]
     assert trajectories(runs["ray"], 1) == trajectories(runs["local"], 1)  # one engine replica, same seed
     assert local["loss"] != 0 and local["grad_norm"] > 0
@@ -208,7 +215,7 @@ def checked(address: str, env: dict[str, str]) -> str:
                           timeout=60).stdout.strip()
 
 
-def test_a_ray_address_where_something_else_listens_fails_at_once_and_a_real_head_passes(env):
+def test_a_ray_address_where_something_else_listens_fails_at_once_and_a_real_head_passes(env, ray_tmp):
     """`ray.init` retried a port where an HTTP server (say) answers for about 14 minutes; the check
     asks the GCS the first question Ray's start-up asks, with a time limit. A real head started with
     `ray start` on loopback passes it, and one that wants another auth token is named as such."""
@@ -231,7 +238,6 @@ def test_a_ray_address_where_something_else_listens_fails_at_once_and_a_real_hea
         port = probe.getsockname()[1]
     # The head's own token, so that no token of the machine's (~/.ray/auth_token) is involved, and
     # its own temporary directory: `ray start` records its cluster there, for later ray.init()s.
-    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": ray_tmp}
     head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
                              "--num-cpus=1", "--include-dashboard=false", "--node-ip-address=127.0.0.1", "--block",
@@ -247,4 +253,3 @@ def test_a_ray_address_where_something_else_listens_fails_at_once_and_a_real_hea
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and the head processes it started
         head.wait()
-        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -46,16 +46,18 @@ TASK = Task(id="t1", prompt="What is 1234 * 5678?", answer="#### 7006652")
 
 
 async def calculator_agent(ctx, task):
-    """A plain OpenAI-client tool loop, as a user would write it."""
+    """A plain OpenAI-client tool loop, as a user would write it (the README's): it also answers
+    the malformed call blocks left in a reply, and stops when nothing was called."""
     client = ctx.openai_client()
     messages = task.messages(ctx.system_prompt)
     for _ in range(8):
         response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
         message = response.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
+        answers = await ctx.run_tools(message.tool_calls, message.content)
+        if not answers:
             return
-        messages += await ctx.run_tools(message.tool_calls)
+        messages += answers
 
 
 async def rewriting_agent(ctx, task):

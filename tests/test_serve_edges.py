@@ -26,7 +26,7 @@ from agentrl.serve.service import ChatService, ServeSettings, TokenBytes
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from tests.conftest import ScriptedEngine
-from tests.test_serve import ANSWER, CALL, TASK, agent_runner
+from tests.test_serve import ANSWER, CALL, TASK, agent_runner, calculator_agent
 
 BAD = '<tool_call>\n{"name": "calculator", "arguments": {"expression": 12*3}}\n</tool_call>'  # not JSON
 BAD_ERROR = ("Error: the tool call is not valid JSON (Expecting ',' delimiter at position 53): "
@@ -75,27 +75,13 @@ def test_a_reply_with_a_malformed_block_sent_back_renders_as_the_model_sampled_i
     assert engine.prompts[1][:len(sampled)] == sampled  # the turn, both blocks, token for token
 
 
-async def reporting_agent(ctx, task):
-    """test_serve's calculator_agent, also answering the malformed call blocks left in a reply."""
-    client = ctx.openai_client()
-    messages = task.messages(ctx.system_prompt)
-    for _ in range(8):
-        response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
-        message = response.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        answers = await ctx.run_tools(message.tool_calls, message.content)
-        if not answers:
-            return
-        messages += answers
-
-
 @pytest.mark.parametrize("first_turn", [CALL + "\n" + BAD, BAD], ids=["call-and-malformed", "malformed-only"])
 def test_an_agent_tells_the_model_its_call_was_broken_as_the_builtin_loop_does(first_turn, tokenizer):
     builtin = EpisodeRunner(ScriptedEngine(tokenizer, [first_turn, ANSWER]), tokenizer, [calculator], parse_hermes,
                             EpisodeSettings(), reward_fn=gsm8k_reward)
     expected = asyncio.run(builtin.run(TASK, "g"))
     engine = ScriptedEngine(tokenizer, [first_turn, ANSWER])
-    runner = agent_runner(reporting_agent, engine, tokenizer)
+    runner = agent_runner(calculator_agent, engine, tokenizer)
     try:
         traj = asyncio.run(runner.run(TASK, "g"))
     finally:
@@ -184,7 +170,7 @@ def test_an_episode_cancelled_while_its_tools_start_releases_them(tokenizer):
     async def cancel_while_starting():
         hanging = asyncio.Event()
         tools = [LedgerTool("ledger", log), LedgerTool("stuck", log, hanging)]
-        runner = AgentRunner(reporting_agent, ScriptedEngine(tokenizer, [ANSWER]), tokenizer, tools, parse_hermes,
+        runner = AgentRunner(calculator_agent, ScriptedEngine(tokenizer, [ANSWER]), tokenizer, tools, parse_hermes,
                              EpisodeSettings())
         try:
             episode = asyncio.ensure_future(runner.run(TASK, "g"))

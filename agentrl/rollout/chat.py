@@ -40,7 +40,7 @@ class ChatRenderer:
         self.schemas = [t.schema for t in tools] or None
         added = getattr(tokenizer, "added_tokens_decoder", {}).values()
         self.special_texts = {t for t in tokenizer.all_special_tokens if t} | {t.content for t in added if t.special}
-        self.stop_ids = set(stop_token_ids(tokenizer))
+        self.stop_ids = stop_token_ids(tokenizer)
 
     def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,

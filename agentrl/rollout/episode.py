@@ -25,7 +25,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 from agentrl.env.interaction import Interaction
 from agentrl.env.rewards import RewardFn
 from agentrl.env.tool_env import ToolEnv, ToolLimits
-from agentrl.rollout.chat import ChatRenderer, stop_token_ids
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
 from agentrl.tools.base import Tool, finite_number
 from agentrl.tools.parsers import ParsedTurn
@@ -65,7 +65,7 @@ class EpisodeRunner:
         self.settings = settings
         self.interaction_factory = interaction_factory
         self.reward_fn = reward_fn
-        self.stop_ids = stop_token_ids(tokenizer)
+        self.stop_ids = self.renderer.stop_ids
 
     async def run(self, task: Task, group_id: str) -> Trajectory:
         """One episode; any unexpected failure ends it with finish='error', never raises."""

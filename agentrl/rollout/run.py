@@ -23,9 +23,10 @@ from agentrl.env.interaction import load_interaction
 from agentrl.env.rewards import load_reward_fn
 from agentrl.env.tool_env import ToolLimits
 from agentrl.models import load_model, load_tokenizer
+from agentrl.rollout.chat import stop_token_ids
 from agentrl.rollout.collect import check_failures, run_streamed, summarize
 from agentrl.rollout.engine import Engine
-from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings, stop_token_ids
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.rollout.memory_saver import memory_saver_for
 from agentrl.tools.loader import close_tools, load_tool_files

@@ -33,9 +33,8 @@ from typing import Any, Callable, Iterator
 
 import jinja2
 
-from agentrl.rollout.chat import ChatRenderer, TemplateError
+from agentrl.rollout.chat import ChatRenderer, TemplateError, stop_token_ids
 from agentrl.rollout.engine import Engine
-from agentrl.rollout.episode import stop_token_ids
 from agentrl.serve.protocol import ChatRequest, RequestError, chat_messages
 from agentrl.serve.sessions import Session, SessionStore, commit_turn, plan_turn
 from agentrl.tools.parsers import ParsedTurn
