@@ -54,6 +54,23 @@ def test_turns_end_with_the_templates_end_token_and_their_text_stays_text(tokeni
         assert trained.count(2) == 2 and (tok is tokenizer or tok.eos_token_id not in trained)
 
 
+def test_a_template_without_prefix_renderings_ends_turns_with_its_end_token(tokenizer):
+    """Templates whose generation prompt is not how they render an assistant turn (reasoning
+    templates open the reply with `<think>`) take the fallback; it used to end each turn with eos,
+    which a Qwen base model's policy (eos <|endoftext|>, turns end <|im_end|>) never samples there."""
+    import copy
+
+    qwen_like = copy.deepcopy(tokenizer)
+    qwen_like.eos_token = "<|endoftext|>"
+    qwen_like.chat_template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    renderer = ChatRenderer(qwen_like, [])
+    ids, fallback = renderer.assistant_turn_ids(MESSAGES[:2], MESSAGES[4])
+    assert fallback and renderer.turn_end_id == 2 != qwen_like.eos_token_id
+    assert ids == qwen_like("It is 408.", add_special_tokens=False)["input_ids"] + [2]
+
+
 def test_sft_steps_raise_demonstration_likelihood(tokenizer, tiny_model):
     sample = conversation_sample(ChatRenderer(tokenizer, [calculator]), MESSAGES)
     batch = pad_sequences([sample.token_ids], [sample.loss_mask], tokenizer.pad_token_id)

@@ -41,6 +41,8 @@ class ChatRenderer:
         added = getattr(tokenizer, "added_tokens_decoder", {}).values()
         self.special_texts = {t for t in tokenizer.all_special_tokens if t} | {t.content for t in added if t.special}
         self.stop_ids = stop_token_ids(tokenizer)
+        turn_end = template_turn_end(tokenizer)  # what the fallback ends a demonstrated turn with
+        self.turn_end_id = tokenizer.eos_token_id if turn_end is None else turn_end
 
     def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
@@ -144,7 +146,8 @@ class ChatRenderer:
 
         OpenAI-style messages (`content: null`, `tool_calls` with JSON-string arguments) render like
         any other. The fallback, for templates whose rendering of `history` is not a prefix, is the
-        content followed by each call in the Hermes format the parser reads.
+        content followed by each call in the Hermes format the parser reads, then the template's
+        end-of-turn token (eos where the template shows none).
         """
         message = normalize_tool_calls(message)
         prompt = self.render_text(history, add_generation_prompt=True)
@@ -162,7 +165,7 @@ class ChatRenderer:
             "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
                                          ensure_ascii=False) + "\n</tool_call>"
             for c in message.get("tool_calls") or []]
-        return self.encode("\n".join(p for p in parts if p)) + [self.tokenizer.eos_token_id], True
+        return self.encode("\n".join(p for p in parts if p)) + [self.turn_end_id], True
 
     def truncate(self, text: str, max_tokens: int) -> tuple[str, bool]:
         """Text cut to `max_tokens` tokens with a marker saying so; (text, was_cut)."""
@@ -197,14 +200,19 @@ def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
     """The ids that end an assistant turn: the special token the chat template closes an assistant
     turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), the tokenizer's
     end of sequence, and <|im_end|> where the vocabulary has it."""
-    ids = {tokenizer.eos_token_id}
+    ids = {tokenizer.eos_token_id, template_turn_end(tokenizer)}
     if "<|im_end|>" in tokenizer.get_vocab():  # not convert_tokens_to_ids: that maps a missing token to <unk>
         ids.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def template_turn_end(tokenizer: Any) -> int | None:
+    """The special token the chat template puts right after an assistant message's text; None when
+    it puts none there, has no template, or refuses the probe (one that demands a system turn)."""
     turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     try:
         text = tokenizer.apply_chat_template(turn, tokenize=False) if getattr(tokenizer, "chat_template", None) else ""
-    except Exception:  # a template may refuse this probe (one that demands a system turn): eos is still there
-        text = ""
+    except Exception:
+        return None
     after = tokenizer(text[text.rfind("y") + 1:], add_special_tokens=False)["input_ids"][:1] if text else []
-    ids.update(i for i in after if i in tokenizer.all_special_ids)
-    return tuple(sorted(i for i in ids if i is not None))
+    return after[0] if after and after[0] in tokenizer.all_special_ids else None
