@@ -51,6 +51,23 @@ def test_estimators_never_give_nan_on_degenerate_input(estimator):
             assert torch.isfinite(estimator(rewards, valid)).all(), (estimator.__name__, rewards, valid)
 
 
+@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages, reinforce_pp_advantages])
+def test_a_group_of_equal_partial_rewards_has_no_advantage(estimator):
+    """Eight rewards of 0.7 (or 1.2: partial credit, summed tool rewards) used to have a float32
+    mean one rounding step off, which GRPO's division by the equally tiny std turned into an
+    advantage of about 0.1 for every member; REINFORCE++ did the same over a batch of such groups."""
+    rewards = torch.tensor([[0.7] * 8, [1.2] * 8, [0.3] * 3 + [9.0] * 5])  # the 9.0s are failed episodes
+    valid = torch.tensor([[1] * 8, [1] * 8, [1] * 3 + [0] * 5])
+    advantages = estimator(rewards, valid)
+    assert advantages.dtype == torch.float32 and torch.equal(advantages, torch.zeros_like(advantages))
+    # One different member still gets its hand-computed share: rewards (0.7 × 7, 1.7), mean 0.825.
+    mixed = estimator(torch.tensor([[0.7] * 7 + [1.7]]))
+    if estimator is rloo_advantages:  # 1.7 - 0.7 = 1; 0.7 - (0.7 × 6 + 1.7) / 7 = -1/7
+        close(mixed, torch.tensor([[-1 / 7] * 7 + [1.0]]))
+    else:  # centred -0.125 and 0.875; unbiased std sqrt((7 × 0.125² + 0.875²) / 7) = sqrt(1/8)
+        close(mixed, torch.tensor([[-0.125] * 7 + [0.875]]) / math.sqrt(1 / 8), atol=1e-4, rtol=0)
+
+
 def test_reinforce_pp():
     # centred [[.5,-.5],[1,-1]]; batch std sqrt(2.5/3) = 0.912871
     s = math.sqrt(2.5 / 3)

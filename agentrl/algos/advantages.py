@@ -12,11 +12,19 @@ import torch
 
 
 def _group_stats(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """(valid_BG as float, members per group n_B1, rewards centred on their group's mean, 0 off valid)."""
+    """(valid_BG as float64, members per group n_B1, rewards centred on their group's mean, 0 off
+    valid), in float64. A group whose valid rewards are all equal is centred to exactly 0: the float32
+    mean of, say, eight rewards of 0.7 is not 0.7, and dividing that rounding error by the group's
+    equally tiny std would give every member an advantage of about 0.1, all of one sign."""
+    rewards_BG = rewards_BG.double()
     valid_BG = torch.ones_like(rewards_BG) if valid_BG is None else valid_BG.to(rewards_BG.dtype)
     n_B1 = valid_BG.sum(dim=1, keepdim=True)
     mean_B1 = (rewards_BG * valid_BG).sum(dim=1, keepdim=True) / n_B1.clamp(min=1)
-    return valid_BG, n_B1, (rewards_BG - mean_B1) * valid_BG
+    kept_BG = valid_BG > 0
+    high_B1 = rewards_BG.masked_fill(~kept_BG, -torch.inf).amax(dim=1, keepdim=True)
+    low_B1 = rewards_BG.masked_fill(~kept_BG, torch.inf).amin(dim=1, keepdim=True)
+    centered_BG = torch.where(high_B1 == low_B1, 0.0, (rewards_BG - mean_B1) * valid_BG)
+    return valid_BG, n_B1, centered_BG
 
 
 def grpo_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = None, normalize_std: bool = True,
@@ -32,9 +40,9 @@ def grpo_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = No
     """
     valid_BG, n_B1, centered_BG = _group_stats(rewards_BG, valid_BG)
     if not normalize_std:
-        return centered_BG
+        return centered_BG.to(rewards_BG.dtype)
     std_B1 = ((centered_BG ** 2).sum(dim=1, keepdim=True) / (n_B1 - 1).clamp(min=1)).sqrt()
-    return centered_BG / (std_B1 + eps)
+    return (centered_BG / (std_B1 + eps)).to(rewards_BG.dtype)
 
 
 def rloo_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,7 +53,8 @@ def rloo_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = No
     with fewer than two valid members has no baseline and gets 0.
     """
     valid_BG, n_B1, centered_BG = _group_stats(rewards_BG, valid_BG)
-    return torch.where(n_B1 >= 2, centered_BG * n_B1 / (n_B1 - 1).clamp(min=1), torch.zeros_like(centered_BG))
+    loo_BG = torch.where(n_B1 >= 2, centered_BG * n_B1 / (n_B1 - 1).clamp(min=1), torch.zeros_like(centered_BG))
+    return loo_BG.to(rewards_BG.dtype)
 
 
 def reinforce_pp_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = None,
@@ -59,10 +68,10 @@ def reinforce_pp_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | N
     valid_BG, _, centered_BG = _group_stats(rewards_BG, valid_BG)
     count = valid_BG.sum()
     if count < 2:
-        return centered_BG
+        return centered_BG.to(rewards_BG.dtype)
     mean = centered_BG.sum() / count
     std = ((((centered_BG - mean) * valid_BG) ** 2).sum() / (count - 1)).sqrt()
-    return (centered_BG - mean) / (std + eps) * valid_BG
+    return ((centered_BG - mean) / (std + eps) * valid_BG).to(rewards_BG.dtype)
 
 
 def gae_advantages(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,
