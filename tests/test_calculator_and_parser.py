@@ -100,6 +100,18 @@ def test_an_unclosed_block_does_not_swallow_the_calls_after_it():
      'the tool call is not valid JSON (NaN is not JSON): {"name": "calculator", "arguments": {"expression": NaN}}'),
     ('{"name": "calculator", "arguments": "{\\"x\\": Infinity}"}', None,
      "the arguments of 'calculator' are a string that is not a JSON object"),
+    # Past a float's range Python reads inf, which a trajectory file (JSON) cannot hold.
+    ('{"name": "calculator", "arguments": {"x": -1e999}}', None,
+     'the tool call is not valid JSON (-1e999 is too large for a number): {"name": "calculator", "arguments": {"x": -1e999}}'),
+    # Half an escaped emoji decodes to a lone surrogate, which no UTF-8 file can hold: it used to abort the
+    # whole run when the trajectory was written. Both halves are an emoji like any other.
+    ('{"name": "calculator", "arguments": {"expression": "2+2 \\ud83d"}}', None,
+     "the tool call is not valid JSON (a lone surrogate escape, '\\ud83d'): "
+     '{"name": "calculator", "arguments": {"expression": "2+2 \\ud83d"}}'),
+    ('{"name": "calculator", "arguments": "{\\"expression\\": \\"\\\\ude00\\"}"}', None,
+     "the tool call is not valid JSON (a lone surrogate escape, '\\ude00'): "
+     '{"name": "calculator", "arguments": "{\\"expression\\": \\"\\\\ude00\\"}"}'),
+    ('{"name": "calculator", "arguments": {"expression": "\\ud83d\\ude00"}}', {"expression": "\U0001F600"}, None),
 ])
 def test_null_arguments_and_numbers_json_has_not(body, arguments, error):
     turn = parse_hermes(f"<tool_call>{body}</tool_call>")

@@ -143,3 +143,19 @@ def test_rollout_with_smollm2(tmp_path, smollm2_dir):
     rows = [json.loads(line) for line in (out / "rollout.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(0 < sum(r["loss_mask"]) <= 24 * 3 for r in rows)
     assert all(r["messages"][0]["role"] == "system" and r["messages"][2]["role"] == "assistant" for r in rows)
+
+
+def test_a_trajectory_holding_half_a_surrogate_pair_is_still_written(tmp_path):
+    """Text a plug-in built from a lone `\\ud83d` escape cannot be encoded as UTF-8: writing the
+    trajectory used to raise and abort the whole rollout. The line escapes it instead, and reads
+    back as the same text."""
+    from agentrl.rollout.collect import write_jsonl
+    from agentrl.types import Trajectory
+
+    text = "2+2 \ud83d"
+    trajectories = [Trajectory("t", "g", messages=[{"role": "tool", "content": text}]),
+                    Trajectory("t2", "g", messages=[{"role": "tool", "content": "caf\u00e9"}])]
+    write_jsonl(trajectories, tmp_path / "out.jsonl")
+    lines = (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()
+    assert "\\ud83d" in lines[0] and json.loads(lines[0])["messages"][0]["content"] == text
+    assert '"café"' in lines[1]  # other lines stay readable

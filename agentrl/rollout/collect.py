@@ -96,7 +96,12 @@ def write_jsonl(trajectories: list[Trajectory], path: str | Path, step: int | No
 def jsonl_line(traj: Trajectory, step: int | None = None) -> str:
     """One trajectory as a JSONL line (with its training step when given)."""
     row = traj.to_json() if step is None else {"step": step, **traj.to_json()}
-    return json.dumps(row, ensure_ascii=False) + "\n"
+    line = json.dumps(row, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # half a surrogate pair (text a plug-in built from a \ud83d escape): escaped
+        line = json.dumps(row)  # as \ud83d, which reads back as the same string
+    return line + "\n"
 
 
 def summarize(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]:

@@ -8,6 +8,7 @@ unknown tools; here every malformed call becomes an error the model is told abou
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -76,7 +77,16 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_not_json)  # NaN and Infinity: Python reads them, JSON has none
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a number")
+    return value
+
+
+# NaN and Infinity: Python reads them, JSON has none; nor has it numbers past a float's range, which
+# Python reads as inf.
+_DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 
 
 def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
@@ -101,6 +111,10 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
         arguments = {}
     if not isinstance(arguments, dict):
         return None, f"the arguments of '{name}' must be a JSON object"
+    try:  # a \ud83d escape alone decodes to half a surrogate pair, which no text (nor a UTF-8 file) can hold
+        json.dumps([name, arguments], ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return None, f"the tool call is not valid JSON (a lone surrogate escape, {e.object[e.start]!r}): {body[:200]}"
     return ToolCall(name=name, arguments=arguments), ""
 
 
