@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from agentrl.env.gsm8k import GSM8KInteraction
-from agentrl.env.interaction import load_interaction
+from agentrl.env.interaction import Turn, load_interaction
 from agentrl.env.rewards import gsm8k_reward
 from agentrl.errors import ConfigError
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
@@ -157,3 +157,59 @@ def test_a_reward_function_with_the_wrong_signature_stops_before_any_model_loads
     assert str(refused.value) == ("reward.function: 'agentrl.env.rewards:final_answer_text' must take "
                                   "(task, messages), not (messages: 'list[dict[str, Any]]') -> 'str'")
     assert load_reward_fn("agentrl.env.rewards:gsm8k_reward").__name__ == "gsm8k_reward"
+
+
+async def async_judge(task, messages):  # refused as a reward function below
+    return 1.0
+
+
+def test_an_async_reward_function_stops_before_any_model_loads():
+    """It used to pass the check and fail every episode with 'returned <coroutine …>'."""
+    from agentrl.env.rewards import load_reward_fn
+
+    with pytest.raises(ConfigError) as refused:
+        load_reward_fn("tests.test_interaction_and_rewards:async_judge")
+    assert str(refused.value).startswith("reward.function: 'tests.test_interaction_and_rewards:async_judge' is async")
+
+
+class MeddlingJudge:
+    """Appends its own prompt and rewrites the answer it reads, then asks again (text None the 2nd time)."""
+
+    async def start(self, task):
+        self.calls = 0
+
+    async def respond(self, messages):
+        self.calls += 1
+        messages.append({"role": "user", "content": "JUDGE PROMPT: grade this"})
+        messages[-2]["content"] = "THE ANSWER IS 72."
+        return Turn("Try again." if self.calls == 1 else None, done=False)
+
+    async def finish(self):
+        pass
+
+
+def test_a_judge_or_reward_function_cannot_change_what_the_episode_recorded(tokenizer):
+    """Interactions and the reward function used to get the episode's own message list: a judge
+    appending its prompt put it into the recorded conversation, and an edit made the messages
+    disagree with the sampled tokens. A judge that returns text None fails the episode instead of
+    showing the model an empty user turn."""
+    seen = []
+
+    def meddling_reward(task, messages):
+        seen.append(messages[-1]["content"])
+        messages.clear()
+        return 1.0
+
+    engine = ScriptedEngine(tokenizer, ["It is 70.", "It is 72."])
+    runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(), interaction_factory=MeddlingJudge,
+                           reward_fn=meddling_reward)
+    traj = asyncio.run(runner.run(TASK, group_id="g"))
+    assert traj.finish == "error" and traj.error == "TypeError: the interaction's respond returned text None, not a string"
+    assert [(m["role"], m["content"]) for m in traj.messages] == [
+        ("user", TASK.prompt), ("assistant", "It is 70."), ("user", "Try again."), ("assistant", "It is 72.")]
+    assert tokenizer.decode(traj.token_ids) + "\n" == tokenizer.apply_chat_template(traj.messages, tokenize=False)
+
+    engine = ScriptedEngine(tokenizer, ["It is 72."])
+    runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(), reward_fn=meddling_reward)
+    traj = asyncio.run(runner.run(TASK, group_id="g"))
+    assert traj.reward == 1.0 and seen == ["It is 72."] and len(traj.messages) == 2

@@ -38,6 +38,10 @@ def load_reward_fn(ref: str | None) -> RewardFn | None:
         raise ConfigError(f"reward.function: {e}") from None
     if not callable(fn):
         raise ConfigError(f"reward.function: '{ref}' is not callable")
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        raise ConfigError(f"reward.function: '{ref}' is async; a reward function is called as "
+                          f"reward(task, messages) -> float. A judge that awaits belongs in an interaction "
+                          f"(rollout.interaction_config), whose score reward.interaction_scores adds")
     try:  # found before any model loads, not after a whole rollout whose every episode failed
         inspect.signature(fn).bind(None, None)
     except TypeError:

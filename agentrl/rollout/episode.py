@@ -15,6 +15,7 @@ This module does not batch (the engine does), schedule episodes (collect.py does
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import sys
 import time
@@ -160,15 +161,21 @@ class EpisodeRunner:
             return await env.run_turn(parsed)
         if interaction is None:
             return None
-        reply = await self._interaction_call(interaction.respond(messages))
+        # A copy, as tools get: a judge that appends its own prompt or edits a turn must not change
+        # what the episode recorded (and will train on).
+        reply = await self._interaction_call(interaction.respond(copy.deepcopy(messages)))
         scores.append(finite_number(reply.score))
-        return None if reply.done else [{"role": "user", "content": reply.text}]
+        if reply.done:
+            return None
+        if not isinstance(reply.text, str):  # None would be shown to the model as an empty user turn
+            raise TypeError(f"the interaction's respond returned text {reply.text!r}, not a string")
+        return [{"role": "user", "content": reply.text}]
 
     def _reward(self, task: Task, traj: Trajectory, step_rewards: list[float], tool_final: float,
                 scores: list[float]) -> None:
         """The episode's reward: the outcome, plus the tool and interaction rewards the settings add."""
         s = self.settings
-        outcome = outcome_reward(self.reward_fn, task, traj.messages)
+        outcome = outcome_reward(self.reward_fn, task, copy.deepcopy(traj.messages))
         traj.reward = (outcome + (sum(step_rewards) if s.tool_step_rewards else 0.0)
                        + (tool_final if s.tool_final_rewards else 0.0)
                        + (sum(scores) if s.interaction_scores else 0.0))

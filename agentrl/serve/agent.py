@@ -31,6 +31,7 @@ This module does not sample, interpret turns or record (service.py and sessions.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import threading
@@ -209,7 +210,7 @@ class AgentRunner:
             traj.messages = task.messages(s.system_prompt)
             traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
         traj.finish = session.refused or traj.finish
-        outcome = outcome_reward(self.reward_fn, task, traj.messages)
+        outcome = outcome_reward(self.reward_fn, task, copy.deepcopy(traj.messages))
         traj.reward = (outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
                        + (tool_final if s.tool_final_rewards else 0.0))
         traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(env.step_rewards),
