@@ -217,13 +217,16 @@ def arithmetic_demonstrations(n: int, seed: int, min_digits: int, max_digits: in
     return conversations
 
 
-def jsonl_objects(path: str | Path, cut_short_end: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+def jsonl_objects(path: str | Path, cut_short_end: bool = False,
+                  non_finite: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-empty line of a JSONL file; a line that is not UTF-8 or not
     a JSON object is a ConfigError naming the file and the line. Lines end at newline characters only:
     JSON text may hold U+2028 and the other characters str.splitlines() also splits at.
 
     With `cut_short_end` (files a run appends to), a last line that has no newline and does not
-    parse, as a process killed while writing it leaves it, is skipped with a warning."""
+    parse, as a process killed while writing it leaves it, is skipped with a warning. With
+    `non_finite` (agentrl's own output, which Python's json writes), NaN and Infinity read as floats:
+    a diverged step's loss must not make its run unreadable; in task files they are refused."""
     with open(path, "rb") as file:  # line by line: a task file may not fit in memory twice
         for number, raw in enumerate(file, start=1):
             raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw  # a UTF-8 BOM is no text
@@ -231,7 +234,7 @@ def jsonl_objects(path: str | Path, cut_short_end: bool = False) -> Iterator[tup
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                row = json.loads(line, parse_constant=_not_json)
+                row = json.loads(line, parse_constant=None if non_finite else _not_json)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 if cut_short_end and not raw.endswith(b"\n"):
                     print(f"agentrl: {path}:{number}: the last line is cut short (the run stopped while writing "

@@ -48,7 +48,7 @@ def read_run(run_dir: str | Path) -> list[dict[str, float]]:
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl (written by agentrl train)")
     rows = []
-    for _, row in jsonl_objects(path, cut_short_end=True):
+    for _, row in jsonl_objects(path, cut_short_end=True, non_finite=True):
         rows.append({**row, "step": row.get("step", len(rows) + 1)})
     if not rows:
         raise ConfigError(f"{path}: no steps logged")

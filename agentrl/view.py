@@ -70,7 +70,7 @@ def load_trajectories(run_dir: Path, steps: set[int] | None = None) -> list[dict
     for path, source, file_step in sources:
         if steps is not None and file_step is not None and file_step not in steps:
             continue
-        for number, record in jsonl_objects(path, cut_short_end=True):
+        for number, record in jsonl_objects(path, cut_short_end=True, non_finite=True):
             missing = [key for key in _REQUIRED if key not in record]
             if missing:
                 raise ConfigError(f"{path}:{number}: not a trajectory (missing {', '.join(missing)})")

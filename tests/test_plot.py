@@ -86,6 +86,18 @@ def test_a_last_line_cut_short_by_a_crash_is_skipped(tmp_path, capsys):
     assert run / "plots" / "reward.png" in run_plot([run])
 
 
+def test_a_run_whose_metrics_went_nan_still_plots(tmp_path):
+    """RunLogger writes a diverged step's NaN loss or infinite grad_norm the way Python's json does
+    (NaN, Infinity); plot used to refuse the whole run, exactly when it is wanted most."""
+    run = write_run(tmp_path / "diverged", steps=3, reward_start=0.0)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1].replace('"reward_std": 0.05', '"reward_std": NaN, "grad_norm": Infinity')
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    rows = read_run(run)
+    assert rows[1]["grad_norm"] == float("inf") and rows[1]["reward_std"] != rows[1]["reward_std"]
+    assert run / "plots" / "reward.png" in run_plot([run])
+
+
 def test_an_out_that_is_a_file_is_refused(tmp_path):
     run = write_run(tmp_path / "run", steps=2, reward_start=0.0)
     (tmp_path / "afile").write_text("")
