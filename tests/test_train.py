@@ -438,11 +438,13 @@ def test_micro_batches_give_the_gradients_of_one_batch(aggregation):
     assert any(g.abs().sum() > 0 for g in grads[1].values())
 
 
-def test_a_groups_rows_packed_into_one_row_give_the_full_rows_logprobs_and_gradients():
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_groups_rows_packed_into_one_row_give_the_full_rows_logprobs_and_gradients(implementation):
     """Rows that share a 20-token prompt, packed: the prompt once (19 tokens: its last token's
     hidden state predicts each row's first sampled one, so every row keeps it), then each row's own
     tokens; each row sees the prompt and itself only, at its own positions. The logprobs and
-    gradients are those of running every row in full, padding and a masked tool span included."""
+    gradients are those of running every row in full, padding and a masked tool span included.
+    Eager attention adds a 4-D mask to its scores: given the boolean mask it masked nothing."""
     from agentrl.trainer.logprobs import pad_sequences, padded_micro_batches
     from agentrl.trainer.packing import PackedRow, pack_cost, packed_rows
 
@@ -465,6 +467,7 @@ def test_a_groups_rows_packed_into_one_row_give_the_full_rows_logprobs_and_gradi
     results = []
     for batch in (pad_sequences(sequences, masks, pad_id=2), packed):
         model = make_tiny_llama()
+        model.set_attn_implementation(implementation)
         logprobs_BT, entropy_BT = token_logprobs(model, batch, temperature=0.8)
         ((logprobs_BT * batch.mask_BT).sum() + entropy_BT.sum() * 0.1).backward()
         results.append((logprobs_BT.detach(), {n: p.grad for n, p in model.named_parameters()}))

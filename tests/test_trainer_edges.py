@@ -378,3 +378,45 @@ def test_metrics_are_means_over_the_steps_that_ran():
     assert metrics[0]["grad_norm"] == pytest.approx(4.098, abs=1e-3)
     assert metrics[0]["critic_grad_norm"] == pytest.approx(4.429, abs=1e-3)
     assert metrics[1] == metrics[0]
+
+
+def _scaled_head(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():  # logits of a realistic size (tens), where scaling and capping show
+        model.get_output_embeddings().weight.mul_(30)
+    return model.eval()
+
+
+def test_logprobs_follow_what_a_models_forward_does_to_its_logits():
+    """Granite divides the head's logits, Gemma 2 soft-caps them: the trainer's logprobs used to
+    skip that (up to 12 nats off) while the engine sampled from the model's forward. A forward that
+    does something else is refused by name before any work."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.logprobs import check_logit_head, pad_sequences
+
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    torch.manual_seed(0)
+    sequence = torch.randint(3, 128, (12,)).tolist()
+    for model in (GraniteForCausalLM(GraniteConfig(**shape, logits_scaling=8.0)),
+                  Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=8, final_logit_softcapping=2.0))):
+        _scaled_head(model)
+        check_logit_head(model, "model.path")
+        with torch.no_grad():
+            ours, _ = token_logprobs(model, pad_sequences([sequence], [[0] * 4 + [1] * 8], 0), temperature=0.7)
+            logits = model(torch.tensor([sequence])).logits[0, 3:-1].float() / 0.7
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(sequence[4:])[:, None]).squeeze(1)
+        torch.testing.assert_close(ours[0, 4:], expected, atol=1e-5, rtol=0)
+
+    class DoubledLogits(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    doubled = _scaled_head(DoubledLogits(LlamaConfig(**shape)))
+    with pytest.raises(ConfigError, match=r"^model.path: DoubledLogits's forward changes the logits after its "
+                                          r"output head in a way the trainer does not reproduce"):
+        check_logit_head(doubled, "model.path")
+    assert doubled.training is False

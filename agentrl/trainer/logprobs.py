@@ -7,8 +7,10 @@ alive at a time, in the forward and in the backward pass (FACTS.md: the full 8×
 a large part of an 8 GB peak).
 
 Results are aligned with token positions: out[b, t] = log p(token t | tokens < t), 0 where not
-wanted, exactly as Trajectory.logprobs stores the engine's values. Models whose logits get extra
-processing after the output head (soft-capping, scaling) are not covered by this shortcut.
+wanted, exactly as Trajectory.logprobs stores the engine's values. What a model's `forward` does to
+the head's logits after it (Granite's division, Cohere's scale, Gemma 2's soft cap) is done here
+too (`logit_transform`); `check_logit_head` refuses a model whose forward does something else,
+before any work, rather than train on logprobs of a distribution the engine does not sample.
 
 A GRPO group's rows share their prompt; micro-batches come packed (packing.py), so that the
 decoder runs that prompt once per packed row and a micro-batch in one call, whatever the number of
@@ -21,11 +23,12 @@ import random
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from agentrl.errors import ConfigError
 from agentrl.trainer.packing import PackedInputs, PackedRow, packed_inputs
 from agentrl.trainer.segment_attention import KEYWORD, NAME
 
@@ -104,7 +107,47 @@ def padded_micro_batches(plan: list[list[PackedRow]], sequences: list[list[int]]
         yield idx, batch
 
 
-def _head_logprobs(head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
+def logit_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What transformers' models do to the output head's logits in `forward`, from their config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scaling = getattr(config, "logits_scaling", None)  # Granite divides
+    scale = getattr(config, "logit_scale", None)  # Cohere multiplies
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 soft-caps
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if scaling is not None:
+            logits = logits / scaling
+        if scale is not None:
+            logits = logits * scale
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return transform
+
+
+def check_logit_head(model: torch.nn.Module, label: str) -> None:
+    """ConfigError naming `label` (model.path) unless the model's `forward` logits are its decoder's
+    hidden states through its output head and `logit_transform`, on a short input (eval mode: the
+    same dropout-free pass twice)."""
+    training, device = model.training, next(model.parameters()).device
+    model.eval()
+    try:
+        with torch.no_grad():
+            ids_1T = torch.tensor([[1, 2, 3, 4]], device=device)
+            forward_TV = model(input_ids=ids_1T).logits[0].float()
+            hidden_TH = model.get_decoder()(input_ids=ids_1T).last_hidden_state[0]
+            ours_TV = logit_transform(model.config)(model.get_output_embeddings()(hidden_TH)).float()
+    finally:
+        model.train(training)
+    gap = (forward_TV - ours_TV).abs().max().item()
+    if not gap <= 1e-3 * max(1.0, forward_TV.abs().max().item()):
+        raise ConfigError(f"{label}: {type(model).__name__}'s forward changes the logits after its output head in "
+                          f"a way the trainer does not reproduce (largest difference {gap:.3g}); its logprobs "
+                          "would not be those of the distribution the engine samples")
+
+
+def _head_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden_NH: torch.Tensor, targets_N: torch.Tensor,
                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     logits_NV = head(hidden_NH).float()
     if temperature > 0:
@@ -142,7 +185,8 @@ def attach_token_logprobs(model: torch.nn.Module) -> str:
 def compute_token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0,
                            chunk_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     hidden_BTH = _decoder_hidden(model, batch)
-    head = model.get_output_embeddings()
+    output, transform = model.get_output_embeddings(), logit_transform(model.config)
+    head = lambda hidden_NH: transform(output(hidden_NH))  # noqa: E731
     want_BT = batch.mask_BT[:, 1:] > 0  # token t+1 is predicted from position t
     hidden_NH = hidden_BTH[:, :-1][want_BT]
     targets_N = batch.ids_BT[:, 1:][want_BT]
@@ -165,13 +209,20 @@ def compute_token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperatu
     return logprobs_BT, entropy_BT
 
 
+_MASKED = torch.finfo(torch.bfloat16).min  # finite in float32 and in bf16, which mixed precision may cast it to
+
+
 def _decoder_hidden(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
     """The decoder's last hidden states, [B, T, H], from the packed layout when there is one."""
     decoder = model.get_decoder()
     packed = batch.packed
     if packed is None:
         return decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT, use_cache=False).last_hidden_state
-    segmented = {KEYWORD: packed.segments} if packed.segments and decoder.config._attn_implementation == NAME else {}
-    hidden_GLH = decoder(input_ids=packed.ids_GL, attention_mask=packed.attention_G1LL,
+    implementation = decoder.config._attn_implementation
+    segmented = {KEYWORD: packed.segments} if packed.segments and implementation == NAME else {}
+    mask_G1LL = packed.attention_G1LL
+    if implementation == "eager":  # eager attention adds a 4-D mask to the scores: True would add 1, mask nothing
+        mask_G1LL = torch.zeros(mask_G1LL.shape, device=mask_G1LL.device).masked_fill(~mask_G1LL, _MASKED)
+    hidden_GLH = decoder(input_ids=packed.ids_GL, attention_mask=mask_G1LL,
                          position_ids=packed.positions_GL, use_cache=False, **segmented).last_hidden_state
     return hidden_GLH.flatten(0, 1)[packed.where_BT]

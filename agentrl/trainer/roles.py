@@ -23,6 +23,7 @@ from agentrl.trainer.checkpoint import TRAINER_STATE, commit_checkpoint, staging
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
 from agentrl.trainer.lora import add_lora
+from agentrl.trainer.logprobs import check_logit_head
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.types import Task, Trajectory
 
@@ -37,6 +38,7 @@ def _compute(config: RecipeConfig, ranks: Ranks) -> dict[str, Any]:
 def make_policy(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> PolicyWorker:
     t, a = config.trainer, config.algorithm
     model = load_model(config.model.path).to(t.device)
+    check_logit_head(model, f"model.path '{config.model.path}'")  # the trainer's logprobs skip `forward`
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
     if config.model.lora.rank > 0:
