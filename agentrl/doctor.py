@@ -11,6 +11,10 @@ render it (`ChatRenderer`, `conversation_sample`):
   which is also how the template renders that turn;
 - stop: the end-of-turn tokens are single tokens and the rendered assistant turn ends with one.
 
+The end of a turn is the chat template's end-of-turn token, which need not be eos (Qwen2.5 and Llama 3
+base models, Gemma), and the stop tokens are the ones the rollout loop stops on; both come from
+`agentrl.rollout.chat`, so the doctor judges a template by what training and rollouts will really do.
+
 It reports one PASS/FAIL line per check and never changes the template; fixing one is up to the user.
 """
 
@@ -47,7 +51,15 @@ def sample_call(tool: Tool) -> ToolCall:
     """A call of `tool` with a plausible value for each declared parameter."""
     fn = tool.schema["function"]
     properties = fn.get("parameters", {}).get("properties", {})
-    return ToolCall(fn["name"], {key: _SAMPLE_VALUES.get(spec.get("type"), "x") for key, spec in properties.items()})
+    return ToolCall(fn["name"], {key: _sample_value(spec.get("type")) for key, spec in properties.items()})
+
+
+def _sample_value(kind: Any) -> Any:
+    """A value of JSON-Schema type `kind`; of its first non-null type where it is a list such as
+    `["string", "null"]` (OpenAI strict mode and MCP servers write optional parameters that way)."""
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return _SAMPLE_VALUES.get(kind, "x") if isinstance(kind, str) else "x"
 
 
 def _first_difference(a: str, b: str) -> int:
@@ -137,9 +149,9 @@ class Doctor:
     def check_loss_mask(self) -> tuple[bool, str]:
         from agentrl.trainer.sft import conversation_sample
 
-        eos = self.tokenizer.eos_token
-        if self.tokenizer.eos_token_id is None:
-            return False, "the tokenizer has no eos token to end assistant turns with"
+        if self.renderer.turn_end_id is None:
+            return False, "the template ends assistant turns with no special token and the tokenizer has no eos token"
+        end = self.renderer.decode([self.renderer.turn_end_id])  # what SFT and the rollout loop end a turn with
         sample = conversation_sample(self.renderer, self.conversation)
         runs: list[list[int]] = []
         for position, (token, trained) in enumerate(zip(sample.token_ids, sample.loss_mask)):
@@ -151,7 +163,7 @@ class Doctor:
         if len(runs) != len(turns):
             return False, f"{len(runs)} runs of trained tokens for {len(turns)} assistant turns"
         for number, (run, k) in enumerate(zip(runs, turns), start=1):
-            got, want = self.renderer.decode(run), self.conversation[k]["content"] + eos
+            got, want = self.renderer.decode(run), self.conversation[k]["content"] + end
             if got != want:
                 return False, f"assistant turn {number}: trained tokens decode to {got!r}, expected {want!r}"
             shown = self.render(self.conversation[: k + 1])[len(self.render(self.conversation[:k], True)):]
@@ -160,13 +172,13 @@ class Doctor:
                                f"but the trained tokens are {want!r}")
         masked = len(sample.loss_mask) - sum(sample.loss_mask)
         return True, (f"{sum(sample.loss_mask)} trained tokens are exactly the {len(turns)} assistant turns "
-                      f"plus {eos!r}; {masked} tokens masked")
+                      f"plus {end!r}; {masked} tokens masked")
 
     def check_stop(self) -> tuple[bool, str]:
-        stops = [t for t in (self.tokenizer.eos_token, "<|im_end|>")
-                 if t and self.tokenizer.convert_tokens_to_ids(t) not in (None, self.tokenizer.unk_token_id)]
-        if self.tokenizer.eos_token is None or self.tokenizer.eos_token not in stops:
-            return False, f"the eos token {self.tokenizer.eos_token!r} is not in the vocabulary"
+        eos = self.tokenizer.eos_token
+        if eos is None or eos not in self.tokenizer.get_vocab():  # its id may be unk's: GPT-2's <|endoftext|>
+            return False, f"the eos token {eos!r} is not in the vocabulary"
+        stops = {self.renderer.decode([i]): i for i in self.renderer.stop_ids}  # what the rollout loop stops on
         for token in stops:
             if len(ids := self.renderer.encode(token)) != 1:
                 return False, f"{token!r} is not a single token (it encodes to {ids})"
@@ -175,9 +187,9 @@ class Doctor:
         end = turn[turn.find(last["content"]) + len(last["content"]):] if last["content"] in turn else turn
         if not any(end.startswith(t) for t in stops):
             return False, (f"the rendered assistant turn {turn!r} does not end its content with a stop token "
-                           f"({', '.join(map(repr, dict.fromkeys(stops)))})")
+                           f"({', '.join(map(repr, stops))})")
         found = next(t for t in stops if end.startswith(t))
-        ids = ", ".join(f"{t!r}={self.tokenizer.convert_tokens_to_ids(t)}" for t in dict.fromkeys(stops))
+        ids = ", ".join(f"{t!r}={i}" for t, i in stops.items())
         return True, f"stop tokens {ids} are single tokens; the assistant turn ends with {found!r}"
 
 

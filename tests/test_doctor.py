@@ -1,14 +1,20 @@
-"""`agentrl doctor`: passes on SmolLM2 with the project's template; names what breaks in bad templates."""
+"""`agentrl doctor`: passes on SmolLM2 with the project's template and on tokenizers whose eos is not
+what ends a turn (Qwen2.5 base, Gemma, GPT-2); names what breaks in bad templates."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
 
-from agentrl.doctor import Doctor
+import pytest
+
+from agentrl.doctor import Doctor, sample_call
 from agentrl.models import load_tokenizer
+from agentrl.tools.base import FunctionTool
 from agentrl.tools.builtin.calculator import calculator
+from agentrl.types import ToolCall
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -76,3 +82,69 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == "agentrl: error: --parser: unknown parser 'xml' (known: hermes)\n"
     assert main(["doctor", "--model", "smollm2-135m-instruct", "--tools", str(tmp_path / "none.yaml")]) == 2
     assert capsys.readouterr().err.startswith(f"agentrl: error: {tmp_path / 'none.yaml'}")
+
+
+def with_turn_end(tokenizer, eos: str, turn_end: str):
+    """The project's tokenizer with another eos, and a template that ends assistant turns with `turn_end`."""
+    variant = copy.deepcopy(tokenizer)
+    variant.eos_token = eos
+    closing = "{%- endif -%}\n<|im_end|>\n{% else -%}"  # the end of the template's assistant branch
+    assert variant.chat_template.count(closing) == 1
+    variant.chat_template = variant.chat_template.replace(closing, closing.replace("<|im_end|>", turn_end))
+    return variant
+
+
+@pytest.mark.parametrize("eos, turn_end", [
+    ("<|endoftext|>", "<|im_end|>"),  # Qwen2.5 / Llama 3 base: eos is not what ends a turn
+    ("<|im_end|>", "<|endoftext|>"),  # Gemma: turns end with a token that is neither eos nor <|im_end|>
+    ("<|endoftext|>", "<|endoftext|>"),  # GPT-2 family: eos is also the unk token, id 0
+], ids=["qwen-base", "gemma", "gpt2"])
+def test_turns_that_end_with_the_templates_token_rather_than_eos_pass(tokenizer, eos, turn_end):
+    """SFT and the rollout loop end a turn with the template's end-of-turn token and stop on every
+    such token; the doctor used to demand eos there, and took an eos whose id is unk's for missing."""
+    variant = with_turn_end(tokenizer, eos, turn_end)
+    assert variant.unk_token_id == 0 and variant.convert_tokens_to_ids("<|endoftext|>") == 0
+    checks = {c.name: c for c in Doctor(variant, [calculator], "hermes").run()}
+    assert [c.line().split(":")[0] for c in checks.values()] == [
+        "PASS tools", "PASS prefix", "PASS tool-call", "PASS loss-mask", "PASS stop"]
+    assert checks["loss-mask"].line().startswith(
+        f"PASS loss-mask: 41 trained tokens are exactly the 2 assistant turns plus {turn_end!r}; ")
+    assert checks["stop"].line() == ("PASS stop: stop tokens '<|endoftext|>'=0, '<|im_end|>'=2 are single tokens; "
+                                     f"the assistant turn ends with {turn_end!r}")
+
+
+def test_an_eos_missing_from_the_vocabulary_still_fails_stop(tokenizer):
+    """A missing eos maps to unk's id; the vocabulary, not that id, says it is missing."""
+    variant = copy.deepcopy(tokenizer)
+    variant.eos_token = "<|missing|>"
+    check = next(c for c in Doctor(variant, [calculator], "hermes").run() if c.name == "stop")
+    assert check.line() == "FAIL stop: the eos token '<|missing|>' is not in the vocabulary"
+
+
+def nullable_calculator(*types: list[str]) -> FunctionTool:
+    properties = {f"p{i}": {"type": kind, "description": "A value."} for i, kind in enumerate(types)}
+    return FunctionTool(calculator.fn, schema={"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": properties, "required": list(properties)}}})
+
+
+def test_a_list_of_types_samples_its_first_non_null_type():
+    tool = nullable_calculator(["string", "null"], ["null", "integer"], ["null", "boolean", "string"], ["null"])
+    assert sample_call(tool) == ToolCall("calculator", {"p0": "12 * 34", "p1": 3, "p2": True, "p3": "x"})
+
+
+def test_a_nullable_parameter_passes_every_check(tmp_path, capsys):
+    """OpenAI strict-mode and MCP schemas write an optional parameter's type as ["string", "null"]."""
+    from agentrl.cli import main
+
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class: agentrl.tools.builtin.calculator:calculator\n    schema:\n"
+                     "      type: function\n      function:\n        name: calculator\n"
+                     "        description: Evaluate an arithmetic expression.\n        parameters:\n"
+                     "          type: object\n          properties:\n"
+                     "            expression: {type: [string, 'null'], description: The expression.}\n"
+                     "          required: [expression]\n")
+    assert main(["doctor", "--model", "smollm2-135m-instruct", "--tools", str(tools)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == 'PASS tool-call: calculator({"expression": "12 * 34"}) rendered and parsed back unchanged'
+    assert lines[5] == "5/5 checks passed"
