@@ -24,7 +24,7 @@ def value_types(annotation: Any) -> tuple[set[Any], bool]:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no lr=inf
 
     @field_validator("*", mode="before")
     @classmethod

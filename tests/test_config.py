@@ -27,6 +27,8 @@ def test_recipe_and_overrides():
     ("rollout.top_p=1.5", "rollout.top_p: Input should be less than or equal to 1"),
     ("rollout.group_size", "override 'rollout.group_size': expected key=value"),
     ("model.path.x=1", "'model.path' is not a section"),
+    ("trainer.lr=inf", "trainer.lr: Input should be a finite number (got 'inf')"),  # fields without bounds too
+    ("algorithm.kl_coef=nan", "algorithm.kl_coef: Input should be a finite number (got 'nan')"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:

@@ -307,3 +307,38 @@ def test_numpy_scalars_count_as_numbers_and_an_int_too_large_for_a_float_is_drop
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["scored"]
     assert (traj.metrics["tool_step_reward"], traj.metrics["tool_final_reward"], traj.reward) == (0.25, 1.5, 1.75)
     assert traj.metrics["hits"] == 3.0 and "huge" not in traj.metrics and traj.metrics["tool_invalid_results"] == 1
+
+
+class Cart:
+    """A stateful tool that fills the list its task gave it."""
+
+    schema = {"type": "function", "function": {"name": "add", "description": "Add an item to the cart.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    name = "add"
+
+    async def create(self, instance_id, ground_truth=None, items=()):
+        self.items = items
+        return instance_id
+
+    async def execute(self, instance_id, arguments):
+        self.items.append("apple")
+        return f"{len(self.items)} item(s) in the cart"
+
+    async def reward(self, instance_id):
+        return None
+
+    async def release(self, instance_id):
+        pass
+
+
+def test_each_episode_gets_its_own_copy_of_the_tasks_tool_arguments(tokenizer):
+    """create() used to get the task's own objects: the second episode of a group found the first
+    one's apple already in its cart."""
+    task = Task(id="t", prompt="Shop.", tool_kwargs={"add": {"items": ["bread"]}})
+    seen = []
+    for _ in range(2):
+        engine = ScriptedEngine(tokenizer, [call("add"), FINAL])
+        runner = EpisodeRunner(engine, tokenizer, [Cart()], parse_hermes, EpisodeSettings())
+        traj = asyncio.run(runner.run(task, group_id="g"))
+        seen += [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert seen == ["2 item(s) in the cart"] * 2 and task.tool_kwargs == {"add": {"items": ["bread"]}}

@@ -50,7 +50,9 @@ class ToolEnv:
 
     async def start(self, episode_id: str, task: Task) -> None:
         for name, t in self.tools.items():
-            kwargs = {"ground_truth": task.answer, **task.tool_kwargs.get(name, {})}
+            # A copy per episode: a tool that changes what it was given (a cart it fills) must not
+            # hand that to the group's other episodes and to the task's later steps.
+            kwargs = copy.deepcopy({"ground_truth": task.answer, **task.tool_kwargs.get(name, {})})
             instance_id = f"{episode_id}/{name}"
             try:
                 self.instance_ids[name] = await call_plugin(t.create(instance_id, **kwargs), self.limits.timeout_s,
