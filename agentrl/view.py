@@ -71,9 +71,9 @@ def load_trajectories(run_dir: Path, steps: set[int] | None = None) -> list[dict
         if steps is not None and file_step is not None and file_step not in steps:
             continue
         for number, record in jsonl_objects(path, cut_short_end=True, non_finite=True):
-            missing = [key for key in _REQUIRED if key not in record]
-            if missing:
-                raise ConfigError(f"{path}:{number}: not a trajectory (missing {', '.join(missing)})")
+            problem = _malformed(record)
+            if problem:
+                raise ConfigError(f"{path}:{number}: not a trajectory ({problem})")
             record["step"] = int(record.get("step", file_step or 0))
             record["source"] = source
             present.add(record["step"])
@@ -83,6 +83,28 @@ def load_trajectories(run_dir: Path, steps: set[int] | None = None) -> list[dict
         raise ConfigError(f"--steps {','.join(map(str, sorted(steps)))}: no trajectories for these steps in "
                           f"{run_dir} (steps present: {', '.join(map(str, sorted(present)))})")
     return records
+
+
+def _malformed(record: dict[str, Any]) -> str | None:
+    """What keeps `record` from being shown as a trajectory (the page would fail on it), or None."""
+    missing = [key for key in _REQUIRED if key not in record]
+    if missing:
+        return f"missing {', '.join(missing)}"
+
+    def numbers(key: str, kind: type | tuple[type, ...]) -> bool:
+        value = record.get(key, [])
+        return isinstance(value, list) and all(isinstance(x, kind) and not isinstance(x, bool) for x in value)
+
+    checks = [("step", isinstance(record.get("step", 0), int) and not isinstance(record.get("step"), bool),
+               "an integer"),
+              ("token_ids", numbers("token_ids", int), "a list of integers"),
+              ("loss_mask", numbers("loss_mask", int), "a list of integers"),
+              ("logprobs", record.get("logprobs") is None or numbers("logprobs", (int, float)), "a list of numbers"),
+              ("messages", isinstance(record["messages"], list) and all(isinstance(m, dict) for m in record["messages"]),
+               "a list of objects"),
+              ("reward", record.get("reward") is None or isinstance(record["reward"], (int, float)), "a number")]
+    bad = next(((key, what) for key, ok, what in checks if not ok), None)
+    return f"{bad[0]} is {json.dumps(record.get(bad[0]))[:40]}, not {bad[1]}" if bad else None
 
 
 def run_model(run_dir: Path, model: str | None) -> str:

@@ -11,12 +11,13 @@ import tempfile
 
 import pytest
 
+from agentrl.errors import ConfigError
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.tools.base import tool
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from agentrl.types import Task
-from agentrl.view import run_model, token_pieces
+from agentrl.view import load_trajectories, run_model, token_pieces
 from tests.conftest import ScriptedEngine
 
 HOSTILE = "<script>document.title='pwned'</script><marquee>not markup</marquee>"
@@ -223,3 +224,25 @@ def test_a_relative_model_path_is_found_from_another_directory(tmp_path, monkeyp
     done = agentrl("view", str(run))
     assert done.returncode == 2 and done.stderr.startswith("agentrl: error: model 'runs/r/sft': not a local model ")
     assert done.stderr.endswith(f"; it is model.path of {run / 'config.yaml'}: pass --model\n")
+
+
+GOOD = {"task_id": "t", "group_id": "g", "token_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0, -0.1, -0.2],
+        "messages": [{"role": "user", "content": "hi"}], "reward": 1.0, "finish": "stop"}
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"step": "abc"}, 'step is "abc", not an integer'),
+    ({"token_ids": None}, "token_ids is null, not a list of integers"),
+    ({"loss_mask": [0, 1.5, 1]}, "loss_mask is [0, 1.5, 1], not a list of integers"),
+    ({"messages": ["hello"]}, 'messages is ["hello"], not a list of objects'),
+    ({"reward": "high"}, 'reward is "high", not a number'),
+    ({"logprobs": ["a"]}, 'logprobs is ["a"], not a list of numbers'),
+])
+def test_a_record_the_page_cannot_show_is_named_not_a_traceback(tmp_path, change, problem):
+    """Each of these used to end `agentrl view` in a Python traceback."""
+    (tmp_path / "rollout.jsonl").write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD | change) + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_trajectories(tmp_path)
+    assert str(refused.value) == f"{tmp_path / 'rollout.jsonl'}:2: not a trajectory ({problem})"
+    (tmp_path / "rollout.jsonl").write_text(json.dumps(GOOD | {"logprobs": [0, float("-inf"), 0]}) + "\n")
+    assert load_trajectories(tmp_path)[0]["logprobs"][1] == float("-inf")  # agentrl's own output: read
