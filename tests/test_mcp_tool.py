@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.errors import ConfigError
 from agentrl.rollout.collect import collect
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.tools.loader import load_tools
 from agentrl.tools.mcp import MCPTool, MCPTools
-from agentrl.tools.parsers import parse_hermes
-from agentrl.types import Completion, SamplingParams, Task
+from agentrl.tools.parsers import ParsedTurn, parse_hermes
+from agentrl.types import Completion, SamplingParams, Task, ToolCall
 from tests.conftest import ScriptedEngine
 
 
@@ -128,6 +129,47 @@ def test_tools_from_an_mcp_server_over_http():
     finally:
         server.terminate()
         server.wait(10)
+
+
+EXITING_SERVER = [sys.executable, "tests/fixtures/mcp_exiting_server.py"]
+
+
+def test_a_property_called_title_stays_in_every_map_keyed_by_property_name():
+    source = MCPTools(allow=["lookup"], command=EXITING_SERVER)
+    try:
+        (lookup,) = source.tools()
+        assert lookup.schema["function"]["parameters"] == {
+            "type": "object", "properties": {"book": {"$ref": "#/$defs/Book"}}, "required": ["book"],
+            "$defs": {"Book": {
+                "type": "object", "description": "A book to look up (a title needs its author and a note).",
+                "properties": {"title": {"default": "", "type": "string"}, "author": {"default": "", "type": "string"},
+                               "note": {"default": "", "type": "string"}},
+                "dependentRequired": {"title": ["author"]},  # the key names a property: kept
+                "dependentSchemas": {"title": {"required": ["note"]}},  # the annotation inside: dropped
+                "dependencies": {"title": {"required": ["author"]}}}}}  # the older keyword for both
+    finally:
+        source.close()
+
+
+def test_every_call_after_the_server_exited_names_the_server():
+    source = MCPTools(allow=["echo", "exit_server"], command=EXITING_SERVER)
+
+    async def turn(name: str, **arguments) -> str:
+        env = ToolEnv(source.tools(), ToolLimits(timeout_s=10), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        messages = await env.run_turn(ParsedTurn(calls=[ToolCall(name, arguments)]))
+        await env.finish()
+        return messages[0]["content"]
+
+    try:
+        assert asyncio.run(turn("echo", text="hi")) == "hi"
+        gone = (f"failed: MCPToolError: the MCP server {shlex.join(EXITING_SERVER)} closed the connection: "
+                "it exited or dropped the session, and it is not restarted")
+        assert asyncio.run(turn("exit_server")) == f"Error: exit_server {gone}"
+        for _ in range(2):  # each later call, from a fresh event loop as in training
+            assert asyncio.run(turn("echo", text="hi")) == f"Error: echo {gone}"
+    finally:
+        source.close()
 
 
 class ByPrompt:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -19,14 +20,15 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.errors import ConfigError
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.tools.base import FunctionTool
 from agentrl.tools.loader import load_tools
-from agentrl.tools.parsers import parse_hermes
+from agentrl.tools.parsers import ParsedTurn, parse_hermes
 from agentrl.tools.remote import RemoteTool, RemoteToolError, RemoteTools
 from agentrl.tools.server import ServerSettings, create_app
-from agentrl.types import Task
+from agentrl.types import Task, ToolCall
 from tests.conftest import ScriptedEngine
 
 TOKEN = "test-token-5f1c"
@@ -154,15 +156,13 @@ def test_wrong_token_in_the_tool_file_is_a_config_error(server, tmp_path, monkey
     with pytest.raises(ConfigError) as e:
         load_tools(path)
     assert str(e.value) == (
-        f"{path}: tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools "
-        f"with config {{'url': '{server}', 'token_env': 'AGENTRL_TEST_TOKEN'}} failed: cannot list the tools of "
-        f"{server}: HTTP 401: missing or wrong bearer token")
+        f"{path}: tool #1 (class 'agentrl.tools.remote:RemoteTools'): listing its tools failed: RemoteToolError: "
+        f"{server}/tools: HTTP 401: missing or wrong bearer token")
 
 
 @pytest.mark.parametrize("config,problem", [
     ("{url: 'http://127.0.0.1:9', token: hunter2, retries: 0}",
-     "constructing agentrl.tools.remote:RemoteTools with config {'url': 'http://127.0.0.1:9', 'token': '***', "
-     "'retries': 0} failed: cannot list the tools of http://127.0.0.1:9: http://127.0.0.1:9/tools: ConnectError: "
+     "listing its tools failed: RemoteToolError: http://127.0.0.1:9/tools: ConnectError: "
      "All connection attempts failed (after 1 attempts)"),
     ("{url: 'http://127.0.0.1:9', token: [hunter2]}",
      "config.token = '***': expected str | None (Input should be a valid string)"),
@@ -428,6 +428,104 @@ def test_a_create_refused_after_an_attempt_that_may_have_landed_is_released():
         while not GatewayThenConflictHandler.deleted and time.monotonic() < deadline:
             time.sleep(0.05)
         assert GatewayThenConflictHandler.deleted == [f"/instances/{created[0]}"]
+
+
+class DroppingHandler(FlakyHandler):
+    """A stand-in for a server whose connection drops before it answers (a proxy's idle timeout, a
+    worker restart): the first create is lost on its way in, every execute after the tool ran (its
+    effect recorded in `ran`). `how`: 'close' ends the connection, 'reset' resets it (RST). A test
+    cannot make `agentrl tools serve` do that on purpose; everything else is real HTTP on loopback."""
+
+    how = "close"
+    creates = 0
+    ran: list[dict] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path == "/instances":
+            DroppingHandler.creates += 1
+            if DroppingHandler.creates > 1:
+                return self.reply(200, {"instance_id": body["instance_id"], "error": None})
+        elif self.path.endswith("/execute"):
+            DroppingHandler.ran.append(body["arguments"])  # the tool's side effect, then no answer
+        else:
+            return self.reply(200, {"reward": None, "error": None})
+        if DroppingHandler.how == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.connection.close()
+        self.close_connection = True
+
+    def do_DELETE(self) -> None:
+        self.reply(200, {"error": None})
+
+
+@pytest.mark.parametrize("how,error", [
+    ("close", "RemoteProtocolError: Server disconnected without sending a response."),
+    ("reset", "ReadError"),
+], ids=["closed", "reset"])
+def test_a_tool_call_is_not_sent_again_after_its_connection_broke(how, error):
+    DroppingHandler.how, DroppingHandler.creates, DroppingHandler.ran = how, 0, []
+
+    async def one_call(echo: RemoteTool) -> list[dict]:
+        env = ToolEnv([echo], ToolLimits(timeout_s=10), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        messages = await env.run_turn(ParsedTurn(calls=[ToolCall("echo", {"amount": 100})]))
+        await env.finish()
+        return messages
+
+    with stand_in(DroppingHandler) as echo:
+        messages = asyncio.run(one_call(echo))
+    assert DroppingHandler.creates == 2  # a create names its instance: sent again after the drop
+    assert DroppingHandler.ran == [{"amount": 100}]  # the tool call was not: it ran exactly once
+    assert messages[0]["content"] == (
+        f"Error: echo failed: RemoteToolError: the connection broke before the answer came ({error}); "
+        "the tool may have run, so the call was not sent again")
+
+
+class ListRefusalHandler(FlakyHandler):
+    """A stand-in for a proxy refusing every execute with a 4xx whose JSON body is no object;
+    everything else is real HTTP on loopback."""
+
+    body = b""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if not self.path.endswith("/execute"):
+            return self.reply(200, {"instance_id": "abc", "error": None})
+        self.send_response(400)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+
+@pytest.mark.parametrize("body", [b'["bad", "request"]', b'"bad request"', b"null", b'{"error": "bad request"}'],
+                         ids=["list", "string", "null", "object_without_detail"])
+def test_a_4xx_with_a_json_body_that_is_no_object_is_reported_as_the_answer(body):
+    ListRefusalHandler.body = body
+    with stand_in(ListRefusalHandler) as echo:
+        asyncio.run(echo.create("e/echo"))
+        with pytest.raises(RemoteToolError) as e:
+            asyncio.run(echo.execute("e/echo", {}))
+    assert str(e.value) == f"HTTP 400: {body.decode()}" and e.value.refused
+
+
+@pytest.mark.parametrize("entry,problem", [
+    ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, retries: -1}}",
+     "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
+     "{'url': 'URL', 'token': '***', 'retries': -1} failed: 'retries' must be 0 or more (0: one attempt, no retry), "
+     "not -1"),
+    ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2},"
+     " schema: {type: function, function: {name: q, description: d}}}",
+     "tool 'q' (#1): key 'schema' is for a single tool; this entry takes its tools' schemas from its source"),
+], ids=["negative_retries", "schema_key"])
+def test_a_mistake_in_a_remote_entry_is_reported_even_when_the_server_is_down(tmp_path, entry, problem):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    path = tmp_path / "remote.yaml"
+    path.write_text(f"tools:\n  - {entry.replace('URL', url)}\n")
+    with pytest.raises(ConfigError) as e:
+        load_tools(path)
+    assert str(e.value) == f"{path}: {problem.replace('URL', url)}"
 
 
 def test_serve_refuses_to_start_without_a_token(tmp_path):

@@ -31,7 +31,10 @@ from typing import Any
 from agentrl.tools.background_loop import BackgroundLoop
 from agentrl.tools.base import Tool, ToolResult
 
-_NAMED_SCHEMAS = {"properties", "patternProperties", "$defs", "definitions"}  # name → schema maps
+# Maps keyed by property (or definition) name, whose keys are never annotations: a property called
+# "title" stays. dependentRequired's values are name lists, which the walk leaves as they are.
+_NAMED_SCHEMAS = {"properties", "patternProperties", "$defs", "definitions", "dependentRequired", "dependentSchemas",
+                  "dependencies"}
 _DATA = {"default", "enum", "const", "examples"}  # values, not schemas: left as they are
 
 
@@ -129,7 +132,16 @@ class MCPTools:
         client = self._client
         if client is None:
             raise MCPToolError(f"the MCP server {self.label} is not connected ({self._failure})")
-        result = await client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s)
+        from mcp import MCPError
+        from mcp.types import CONNECTION_CLOSED
+
+        try:
+            result = await client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s)
+        except MCPError as e:  # the server exited (or dropped the session): say which one
+            if e.code != CONNECTION_CLOSED:
+                raise
+            raise MCPToolError(f"the MCP server {self.label} closed the connection: it exited or dropped the session, "
+                               "and it is not restarted") from None
         parts = [block.text if getattr(block, "type", None) == "text" else f"[{block.type} content omitted]"
                  for block in result.content]
         if not parts and result.structured_content is not None:

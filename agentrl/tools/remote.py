@@ -9,14 +9,20 @@ file loads, so a wrong URL, token or tool name stops the run before it starts):
 
 Calls go through httpx with a timeout per request and retries with exponential backoff on
 connection failures and 5xx answers (the server answers a failing tool with 200 and an error, so a
-5xx means the server itself, or a proxy before it, failed). A read timeout is not retried, since
-the tool may have run. A 4xx, a tool error, or retries running out raise RemoteToolError, which
-ToolEnv turns into an error message for the model. The client names each instance it creates, so
-a create is retried like any repeatable call, and one that got no answer or was cancelled (ToolEnv's
-timeout) is released anyway: the server may have made it after all.
+5xx means the server itself, or a proxy before it, failed). A tool call is not repeatable: it is
+sent again only after an error that proves it never left (a refused connection, a connect
+timeout), or a 503. A connection that broke after sending it, a read timeout or another 5xx may
+come after the tool ran, and running it twice could repeat its effect (a payment, a file
+written). A 4xx, a tool error, or retries running out raise RemoteToolError, which ToolEnv turns
+into an error message for the model. The client names each instance it creates, so a create is
+retried like any repeatable call, and one that got no answer or was cancelled (ToolEnv's timeout)
+is released anyway: the server may have made it after all.
 
+The constructor only checks its arguments; the connection opens at the first `tools()` (which the
+loader calls while it loads the file), so the loader's own checks of the entry, a `schema` key it
+does not take, come first and a mistake in the file is not hidden behind a server that is down.
 The httpx connection pool lives on a BackgroundLoop (see there why: every rollout step runs under a
-new event loop), opened when the file loads and closed by `close()` or at exit.
+new event loop), closed by `close()` or at exit.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from agentrl.tools.background_loop import BackgroundLoop
 from agentrl.tools.base import Tool, ToolResult
 
 RETRY_STATUS = range(500, 600)
+# Connection errors after which a request may have been delivered (the server closed or reset the
+# connection while the answer was due): retried only for a repeatable call.
+MAYBE_SENT_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # A tool call is not idempotent: after a 500 from the server or a 502/504 from a proxy in front of
 # it, the tool may already have run, and running it again could repeat its effect. Only 503 (the
 # server refusing before any work) is retried for it.
@@ -59,26 +68,38 @@ class RemoteTools:
             token = os.environ.get(token_env)
             if not token:
                 raise ValueError(f"environment variable '{token_env}' (token_env) is not set")
+        if retries < 0:
+            raise ValueError(f"'retries' must be 0 or more (0: one attempt, no retry), not {retries}")
         self.url, self.retries, self.backoff_s = url.rstrip("/"), retries, backoff_s
+        self._wanted, self._token = tools, token
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._loop: BackgroundLoop | None = None
+        self._members: list[Tool] | None = None
+
+    def tools(self) -> list[Tool]:
+        """The selected tools; the first call connects and fetches their schemas."""
+        if self._members is None:
+            self._members = self._open()
+        return list(self._members)
+
+    def _open(self) -> list[Tool]:
         self._loop = BackgroundLoop("agentrl-remote-tools")
-        timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        headers = {"Authorization": f"Bearer {token}"}
-        self._client: httpx.AsyncClient = self._loop.run_sync(_open_client(self.url, headers, timeout))
+        headers = {"Authorization": f"Bearer {self._token}"}
+        self._client: httpx.AsyncClient = self._loop.run_sync(_open_client(self.url, headers, self._timeout))
         self._loop.on_close(self._client.aclose)
         try:
             offered = self._loop.run_sync(self._request("GET", "/tools"))["tools"]
         except Exception as e:
             self.close()
-            raise ValueError(f"cannot list the tools of {self.url}: {e}") from None
-        self._members = _select(offered, tools, self.url, self)
-
-    def tools(self) -> list[Tool]:
-        return list(self._members)
+            reason = str(e) if isinstance(e, RemoteToolError) else _what(e)
+            raise RemoteToolError(reason if reason.startswith(self.url) else f"{self.url}/tools: {reason}") from None
+        return _select(offered, self._wanted, self.url, self)
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None,
                       repeatable: bool = True) -> dict[str, Any]:
         """One API call from any event loop; retried on connection errors, and on 5xx when it is
-        `repeatable` (on 503 only when not: a tool call)."""
+        `repeatable` (when not, a tool call, only on errors before sending it and on 503)."""
+        assert self._loop is not None, "tools() opens the connection"
         return await self._loop.run(self._request(method, path, body, repeatable))
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
@@ -89,10 +110,17 @@ class RemoteTools:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 response = await self._client.request(method, path, json=body)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
-                # Refused, or a pooled connection the server had dropped: retried. The dropped one may
-                # still have delivered the request, so a refusal after it does not prove nothing ran.
-                problem, reached = f"{type(e).__name__}: {e}", reached or isinstance(e, httpx.RemoteProtocolError)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never sent: safe to send again
+                problem = _what(e)
+                continue
+            except MAYBE_SENT_ERRORS as e:
+                # A connection dropped while the answer was due (a proxy's idle timeout, a worker
+                # restart): the request may have been delivered, so a refusal after it does not prove
+                # nothing ran, and a tool call is not sent again.
+                if not repeatable:
+                    raise RemoteToolError(f"the connection broke before the answer came ({_what(e)}); "
+                                          "the tool may have run, so the call was not sent again") from None
+                problem, reached = _what(e), True
                 continue
             except httpx.TimeoutException as e:
                 raise RemoteToolError(f"{method} {path}: no answer ({type(e).__name__})") from None
@@ -117,7 +145,8 @@ class RemoteTools:
         self._loop.submit(release())
 
     def close(self) -> None:
-        self._loop.close()
+        if self._loop is not None:
+            self._loop.close()
 
 
 class RemoteTool:
@@ -183,8 +212,15 @@ def _raise_for(reply: dict[str, Any]) -> None:
         raise RemoteToolError(reply["error"])
 
 
+def _what(error: Exception) -> str:
+    """'Type: message', or the type alone for errors without one (httpx's ReadError on a reset)."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
 def _detail(response: httpx.Response) -> str:
+    """The server's `detail` (FastAPI's error body), else the start of whatever a proxy answered."""
     try:
-        return str(response.json().get("detail", response.text))
+        body = response.json()
     except ValueError:
-        return response.text[:200]
+        body = None
+    return str(body["detail"]) if isinstance(body, dict) and "detail" in body else response.text[:200]
