@@ -40,8 +40,8 @@ class ChatRenderer:
         self.schemas = [t.schema for t in tools] or None
         added = getattr(tokenizer, "added_tokens_decoder", {}).values()
         self.special_texts = {t for t in tokenizer.all_special_tokens if t} | {t.content for t in added if t.special}
-        self.stop_ids = stop_token_ids(tokenizer)
-        turn_end = template_turn_end(tokenizer)  # what the fallback ends a demonstrated turn with
+        turn_end = template_turn_end(tokenizer)  # probed once: the stop ids and the fallback's turn end
+        self.stop_ids = _stop_ids(tokenizer, turn_end)
         self.turn_end_id = tokenizer.eos_token_id if turn_end is None else turn_end
 
     def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -200,7 +200,11 @@ def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
     """The ids that end an assistant turn: the special token the chat template closes an assistant
     turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), the tokenizer's
     end of sequence, and <|im_end|> where the vocabulary has it."""
-    ids = {tokenizer.eos_token_id, template_turn_end(tokenizer)}
+    return _stop_ids(tokenizer, template_turn_end(tokenizer))
+
+
+def _stop_ids(tokenizer: Any, turn_end: int | None) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id, turn_end}
     if "<|im_end|>" in tokenizer.get_vocab():  # not convert_tokens_to_ids: that maps a missing token to <unk>
         ids.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     return tuple(sorted(i for i in ids if i is not None))

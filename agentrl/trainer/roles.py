@@ -22,8 +22,8 @@ from agentrl.rollout.worker import LocalSink, RolloutWorker
 from agentrl.trainer.checkpoint import TRAINER_STATE, commit_checkpoint, staging_checkpoint
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
-from agentrl.trainer.lora import add_lora
 from agentrl.trainer.logprobs import check_logit_head
+from agentrl.trainer.lora import add_lora
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.types import Task, Trajectory
 
