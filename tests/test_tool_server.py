@@ -376,11 +376,12 @@ class ProxyErrorHandler(FlakyHandler):
 
 
 @contextmanager
-def stand_in(handler: type[BaseHTTPRequestHandler]) -> Iterator[RemoteTool]:
+def stand_in(handler: type[BaseHTTPRequestHandler], **config) -> Iterator[RemoteTool]:
     """The one tool of a stand-in server on loopback, through RemoteTools (2 retries, 10 ms backoff)."""
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", retries=2, backoff_s=0.01)
+    source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", retries=2, backoff_s=0.01,
+                         **config)
     try:
         yield source.tools()[0]
     finally:
@@ -510,6 +511,45 @@ def test_a_4xx_with_a_json_body_that_is_no_object_is_reported_as_the_answer(body
     assert str(e.value) == f"HTTP 400: {body.decode()}" and e.value.refused
 
 
+class OddAnswerHandler(FlakyHandler):
+    """A stand-in for a server, or a proxy in front of it, answering every execute with 200 and a
+    body that is not agentrl's answer (a test cannot make `agentrl tools serve` do that); everything
+    else is real HTTP on loopback."""
+
+    body = b""
+    executes = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if not self.path.endswith("/execute"):
+            return self.reply(200, {"instance_id": "abc", "error": None})
+        OddAnswerHandler.executes += 1
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        try:
+            self.wfile.write(self.body)
+        except OSError:  # the client stopped reading an answer over its cap
+            pass
+
+
+@pytest.mark.parametrize("body,problem", [
+    (b"[1, 2]", "POST /instances/abc/execute: HTTP 200 with an answer that is no JSON object: [1, 2]"),
+    (b"<html>upstream ok</html>",
+     "POST /instances/abc/execute: HTTP 200 with an answer that is no JSON object: <html>upstream ok</html>"),
+    (b'{"reward": 1.0, "error": null}', """the server's answer has no str 'text': {"reward": 1.0, "error": null}"""),
+    (b'{"text": "' + b"x" * (2 * 2**20) + b'"}',
+     "POST /instances/abc/execute: the answer is longer than 1 MB (max_response_mb); it was not read further"),
+], ids=["json_list", "html", "no_text", "over_the_cap"])
+def test_an_answer_that_is_not_the_servers_json_is_a_tool_error_and_not_sent_again(body, problem):
+    OddAnswerHandler.body, OddAnswerHandler.executes = body, 0
+    with stand_in(OddAnswerHandler, max_response_mb=1) as echo:
+        asyncio.run(echo.create("e/echo"))
+        with pytest.raises(RemoteToolError) as e:
+            asyncio.run(echo.execute("e/echo", {}))
+    assert str(e.value) == problem and OddAnswerHandler.executes == 1
+
+
 @pytest.mark.parametrize("entry,problem", [
     ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, retries: -1}}",
      "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
@@ -518,7 +558,10 @@ def test_a_4xx_with_a_json_body_that_is_no_object_is_reported_as_the_answer(body
     ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2},"
      " schema: {type: function, function: {name: q, description: d}}}",
      "tool 'q' (#1): key 'schema' is for a single tool; this entry takes its tools' schemas from its source"),
-], ids=["negative_retries", "schema_key"])
+    ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, max_response_mb: 0}}",
+     "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
+     "{'url': 'URL', 'token': '***', 'max_response_mb': 0.0} failed: 'max_response_mb' must be more than 0, not 0.0"),
+], ids=["negative_retries", "schema_key", "no_room_for_an_answer"])
 def test_a_mistake_in_a_remote_entry_is_reported_even_when_the_server_is_down(tmp_path, entry, problem):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     path = tmp_path / "remote.yaml"

@@ -13,8 +13,10 @@ connection failures and 5xx answers (the server answers a failing tool with 200 
 sent again only after an error that proves it never left (a refused connection, a connect
 timeout), or a 503. A connection that broke after sending it, a read timeout or another 5xx may
 come after the tool ran, and running it twice could repeat its effect (a payment, a file
-written). A 4xx, a tool error, or retries running out raise RemoteToolError, which ToolEnv turns
-into an error message for the model. The client names each instance it creates, so a create is
+written). A 4xx, a tool error, retries running out, an answer that is not the JSON object the
+server's API defines, or one longer than `max_response_mb` (read no further: a runaway tool's
+output costs no memory beyond the cap) raise RemoteToolError, which ToolEnv turns into an error
+message for the model. The client names each instance it creates, so a create is
 retried like any repeatable call, and one that got no answer or was cancelled (ToolEnv's timeout)
 is released anyway: the server may have made it after all.
 
@@ -28,6 +30,7 @@ new event loop), closed by `close()` or at exit.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import uuid
 from typing import Any
@@ -61,7 +64,7 @@ class RemoteTools:
 
     def __init__(self, url: str, token: str | None = None, token_env: str | None = None,
                  tools: list[str] | None = None, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
-                 retries: int = 3, backoff_s: float = 0.25):
+                 retries: int = 3, backoff_s: float = 0.25, max_response_mb: float = 16.0):
         if (token is None) == (token_env is None):
             raise ValueError("give exactly one of 'token' and 'token_env' (the name of a variable holding it)")
         if token_env is not None:
@@ -70,7 +73,10 @@ class RemoteTools:
                 raise ValueError(f"environment variable '{token_env}' (token_env) is not set")
         if retries < 0:
             raise ValueError(f"'retries' must be 0 or more (0: one attempt, no retry), not {retries}")
+        if not max_response_mb > 0:
+            raise ValueError(f"'max_response_mb' must be more than 0, not {max_response_mb}")
         self.url, self.retries, self.backoff_s = url.rstrip("/"), retries, backoff_s
+        self.max_response_bytes = int(max_response_mb * 2**20)
         self._wanted, self._token = tools, token
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._loop: BackgroundLoop | None = None
@@ -88,7 +94,7 @@ class RemoteTools:
         self._client: httpx.AsyncClient = self._loop.run_sync(_open_client(self.url, headers, self._timeout))
         self._loop.on_close(self._client.aclose)
         try:
-            offered = self._loop.run_sync(self._request("GET", "/tools"))["tools"]
+            offered = _field(self._loop.run_sync(self._request("GET", "/tools")), "tools", list)
         except Exception as e:
             self.close()
             reason = str(e) if isinstance(e, RemoteToolError) else _what(e)
@@ -109,7 +115,7 @@ class RemoteTools:
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                response = await self._client.request(method, path, json=body)
+                status, content = await self._send(method, path, body)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never sent: safe to send again
                 problem = _what(e)
                 continue
@@ -124,14 +130,29 @@ class RemoteTools:
                 continue
             except httpx.TimeoutException as e:
                 raise RemoteToolError(f"{method} {path}: no answer ({type(e).__name__})") from None
-            if response.status_code in (RETRY_STATUS if repeatable else NOT_RUN_STATUS):
-                problem, reached = f"HTTP {response.status_code}: {_detail(response)}", True
+            if status in (RETRY_STATUS if repeatable else NOT_RUN_STATUS):
+                problem, reached = f"HTTP {status}: {_detail(content)}", True
                 continue
-            if response.status_code >= 400:
-                raise RemoteToolError(f"HTTP {response.status_code}: {_detail(response)}",
-                                      refused=response.status_code < 500 and not reached)
-            return response.json()
+            if status >= 400:
+                raise RemoteToolError(f"HTTP {status}: {_detail(content)}", refused=status < 500 and not reached)
+            reply = _json(content)
+            if not isinstance(reply, dict):
+                raise RemoteToolError(f"{method} {path}: HTTP {status} with an answer that is no JSON object: "
+                                      f"{_start(content)}")
+            return reply
         raise RemoteToolError(f"{self.url}{path}: {problem} (after {self.retries + 1} attempts)")
+
+    async def _send(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
+        """One attempt: the status and the body, read up to the size cap."""
+        async with self._client.stream(method, path, json=body) as response:
+            content = bytearray()
+            async for chunk in response.aiter_bytes():
+                content += chunk
+                if len(content) > self.max_response_bytes:
+                    raise RemoteToolError(f"{method} {path}: the answer is longer than "
+                                          f"{self.max_response_bytes / 2**20:g} MB (max_response_mb); "
+                                          "it was not read further")
+            return response.status_code, bytes(content)
 
     def release_later(self, path: str) -> None:
         """Send `DELETE path` without waiting for it (an instance whose create failed on the way);
@@ -167,19 +188,20 @@ class RemoteTool:
                 self.source.release_later(f"/instances/{remote}")
             raise
         _raise_for(reply)
-        self._remote_ids[instance_id] = reply["instance_id"]
+        self._remote_ids[instance_id] = _field(reply, "instance_id", str)
         return instance_id
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         reply = await self.source.request("POST", f"/instances/{self._remote(instance_id)}/execute",
                                           {"arguments": arguments}, repeatable=False)
         _raise_for(reply)
-        return ToolResult(reply["text"], reply["reward"], reply["metrics"])
+        # reward and metrics are checked by ToolEnv like a local tool's (a bad one is dropped and counted)
+        return ToolResult(_field(reply, "text", str), reply.get("reward"), reply.get("metrics") or {})
 
     async def reward(self, instance_id: str) -> float | None:
         reply = await self.source.request("POST", f"/instances/{self._remote(instance_id)}/reward")
         _raise_for(reply)
-        return reply["reward"]
+        return reply.get("reward")
 
     async def release(self, instance_id: str) -> None:
         remote = self._remote_ids.pop(instance_id, None)
@@ -209,7 +231,15 @@ def _select(offered: list[dict[str, Any]], wanted: list[str] | None, url: str, s
 
 def _raise_for(reply: dict[str, Any]) -> None:
     if reply.get("error"):
-        raise RemoteToolError(reply["error"])
+        raise RemoteToolError(str(reply["error"]))
+
+
+def _field(reply: dict[str, Any], key: str, kind: type) -> Any:
+    """`reply[key]`, which the server's API says is a `kind`."""
+    value = reply.get(key)
+    if not isinstance(value, kind):
+        raise RemoteToolError(f"the server's answer has no {kind.__name__} '{key}': {_start(json.dumps(reply))}")
+    return value
 
 
 def _what(error: Exception) -> str:
@@ -217,10 +247,20 @@ def _what(error: Exception) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
-def _detail(response: httpx.Response) -> str:
-    """The server's `detail` (FastAPI's error body), else the start of whatever a proxy answered."""
+def _json(content: bytes) -> Any:
     try:
-        body = response.json()
-    except ValueError:
-        body = None
-    return str(body["detail"]) if isinstance(body, dict) and "detail" in body else response.text[:200]
+        return json.loads(content)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+
+
+def _start(content: bytes | str) -> str:
+    """The start of an answer, for a message."""
+    text = content.decode(errors="replace") if isinstance(content, bytes) else content
+    return text[:200] + ("..." if len(text) > 200 else "")
+
+
+def _detail(content: bytes) -> str:
+    """The server's `detail` (FastAPI's error body), else the start of whatever a proxy answered."""
+    body = _json(content)
+    return str(body["detail"]) if isinstance(body, dict) and "detail" in body else content.decode(errors="replace")[:200]
