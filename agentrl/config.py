@@ -201,7 +201,9 @@ class TrainerConfig(_Section):
     steps: int = Field(10, ge=1, description="RL steps (collect, update, sync).")
     tasks_per_step: int = Field(8, ge=1, description="Tasks per step; each yields rollout.group_size episodes.")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up over the first RL steps: "
+                                                   "every optimizer step of RL step k (from 0) uses "
+                                                   "lr × (k + 1) / warmup_steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch.")
@@ -255,6 +257,7 @@ class CriticConfig(_Section):
     path: str | None = Field(None, description="Critic start point: a saved critic or causal LM "
                                                "(null: a copy of the policy's transformer, zero value head).")
     lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Critic AdamW weight decay.")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clip around the old values (null: off).")
 
 

@@ -23,7 +23,8 @@ from agentrl.algos.losses import value_loss
 from agentrl.errors import ConfigError
 from agentrl.trainer.checkpoint import atomic_directory, full_state_dict, load_sharded, save_sharded
 from agentrl.trainer.distributed import Ranks, full_tensor, shard_model
-from agentrl.trainer.logprobs import PaddedBatch, evaluation, mini_batch_schedule, pad_values, padded_micro_batches
+from agentrl.trainer.logprobs import (PaddedBatch, disable_model_dropout, evaluation, mini_batch_schedule, pad_values,
+                                      padded_micro_batches)
 
 
 class ValueModel(torch.nn.Module):
@@ -99,11 +100,12 @@ def check_critic_path(path: str) -> None:
 class CriticWorker:
     """The value model, its optimiser, and the clipped value-loss update."""
 
-    def __init__(self, model: ValueModel, pad_id: int, *, lr: float, value_clip: float | None,
+    def __init__(self, model: ValueModel, pad_id: int, *, lr: float, value_clip: float | None, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, ppo_epochs: int = 1, mini_batches: int = 1,
                  micro_batch_tokens: int = 4096, bf16_autocast: bool = False, seed: int = 0,
                  ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None):
         self.ranks = ranks
+        disable_model_dropout(model)
         if ranks.distributed:
             shard_model(model, param_dtype)
         self.model = model.train()
@@ -111,7 +113,7 @@ class CriticWorker:
         self.pad_id, self.value_clip, self.grad_clip = pad_id, value_clip, grad_clip
         self.ppo_epochs, self.mini_batches, self.micro_batch_tokens = ppo_epochs, mini_batches, micro_batch_tokens
         self.bf16_autocast = bf16_autocast
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.rng = random.Random(seed)
 
     def _autocast(self) -> torch.autocast:

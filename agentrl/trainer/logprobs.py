@@ -67,6 +67,21 @@ def pad_values(rows: list[list[float]], width: int, device: torch.device | str) 
     return out.to(device)
 
 
+def disable_model_dropout(model: torch.nn.Module) -> None:
+    """The checkpoint's own dropout off (nn.Dropout modules, transformers' `attention_dropout`).
+    PPO's ratio compares the training pass with the old logprobs, taken without dropout like the
+    engine's samples, and its value clip the critic's training pass with the old values, taken in
+    eval mode; a dropout mask in the training pass moves either by chance and clips tokens at
+    unchanged weights. LoRA's adapter dropout is a recipe setting (model.lora.dropout) and stays."""
+    for name, module in model.named_modules():
+        if ".lora_dropout." in f".{name}.":
+            continue
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 @contextmanager
 def evaluation(model: torch.nn.Module) -> Iterator[None]:
     """The model in eval mode (no dropout) for a pass without gradients, its mode restored after:

@@ -22,8 +22,8 @@ from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
 from agentrl.trainer.checkpoint import load_sharded, save_model, save_sharded
 from agentrl.trainer.distributed import Ranks, buckets, full_tensor, shard_model
 from agentrl.trainer.lora import merged_weights
-from agentrl.trainer.logprobs import (attach_token_logprobs, evaluation, mini_batch_schedule, pad_values,
-                                      padded_micro_batches, token_logprobs)
+from agentrl.trainer.logprobs import (attach_token_logprobs, disable_model_dropout, evaluation, mini_batch_schedule,
+                                      pad_values, padded_micro_batches, token_logprobs)
 from agentrl.trainer.packing import PackCost, enable_packing
 
 
@@ -73,20 +73,6 @@ def batched_logprobs(model: torch.nn.Module, sequences: list[list[int]], masks: 
             for row, i in enumerate(idx):
                 out[i] = logprobs_BT[row, : len(sequences[i])].tolist()
     return out
-
-
-def disable_model_dropout(model: torch.nn.Module) -> None:
-    """The checkpoint's own dropout off (nn.Dropout modules, transformers' `attention_dropout`).
-    PPO's ratio compares the training pass with the old logprobs, taken without dropout like the
-    engine's samples; a dropout mask in the training pass moves the ratio by chance and clips tokens
-    at unchanged weights. LoRA's adapter dropout is a recipe setting (model.lora.dropout) and stays."""
-    for name, module in model.named_modules():
-        if ".lora_dropout." in f".{name}.":
-            continue
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
 
 
 class PolicyWorker:
