@@ -88,6 +88,17 @@ def test_megabyte_of_output_is_truncated_in_tokens(tokenizer):
     assert len(traj.token_ids) < 1000
 
 
+def test_output_of_long_tokens_is_cut_at_the_budget_not_before(tokenizer):
+    """SmolLM2 has one token for 64 '#': a 10-token output cut to 4 tokens keeps 256 characters."""
+    from agentrl.rollout.chat import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, [])
+    text = "#" * 640
+    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 10
+    assert renderer.truncate(text, 4) == ("#" * 256 + "\n[output truncated to 4 tokens]", True)
+    assert renderer.truncate(text, 10) == (text, False)
+
+
 def test_broken_json_in_tool_call(tokenizer):
     traj, tools = run(tokenizer, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"\n</tool_call>')
     assert tools[0]["name"] == "parse_error"

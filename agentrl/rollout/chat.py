@@ -169,9 +169,17 @@ class ChatRenderer:
 
     def truncate(self, text: str, max_tokens: int) -> tuple[str, bool]:
         """Text cut to `max_tokens` tokens with a marker saying so; (text, was_cut)."""
-        head = text[: max_tokens * 16]  # no token is longer than this, so tokenising stays cheap
-        ids = self.encode(head)
-        if len(ids) <= max_tokens and len(head) == len(text):
+        # Only a head of the text is tokenised, so a huge tool output costs little: 16 characters a
+        # token, more while the head holds no more than max_tokens tokens (runs like '#' * 80 are
+        # one token) and the text goes on.
+        size = max_tokens * 16
+        while True:
+            head = text[:size]
+            ids = self.encode(head)
+            if len(ids) > max_tokens or len(head) == len(text):
+                break
+            size *= 2
+        if len(ids) <= max_tokens:
             return text, False
         kept = self.decode(ids[:max_tokens])
         return f"{kept}\n[output truncated to {max_tokens} tokens]", True
