@@ -126,24 +126,29 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
 def check_run_dir(config: RecipeConfig, run_dir: Path) -> None:
     """Before any model loads, what would otherwise fail or destroy something only at the end: a
     model directory this run will save over (final/, critic/, step_N/, kept when the run resumes)
-    that holds other files, and a model or critic this run trains from inside previous/, which a
-    run starting from step 0 replaces."""
+    that holds other files, and a model or critic this run trains from inside one of them or
+    inside previous/. A run from step 0 moves the first into previous/ and replaces previous/;
+    either way the directory is gone when the run resumes, and a LoRA adapter saved over its own
+    base names itself."""
     if not run_dir.is_dir():
         return
-    for path in [run_dir / "final", run_dir / "critic", *(p for p in run_dir.iterdir() if STEP_MODEL.fullmatch(p.name))]:
+    models = [run_dir / "final", run_dir / "critic", *(p for p in run_dir.iterdir() if STEP_MODEL.fullmatch(p.name))]
+    for path in models:
         check_replaceable(path)
-    previous = (run_dir / "previous").resolve()
     for key, value in (("model.path", config.model.path), ("critic.path", config.critic.path)):
-        if value and Path(value).exists() and Path(value).resolve().is_relative_to(previous):
-            raise ConfigError(f"{key}: '{value}' is inside {run_dir / 'previous'}, which this run replaces if it "
-                              "starts from step 0; copy it elsewhere, or use another output_dir")
+        if not value or not Path(value).exists():
+            continue
+        for place in [run_dir / "previous", *models]:
+            if Path(value).resolve().is_relative_to(place.resolve()):
+                raise ConfigError(f"{key}: '{value}' is inside {place}, which this run moves or replaces; "
+                                  "copy it elsewhere, or use another output_dir")
 
 
 STEP_MODEL = re.compile(r"step_\d+")  # a step_N/ model directory (trainer.save_every)
 EARLIER_RUN = ("checkpoints", "trajectories", "metrics.jsonl", "final", "critic")
 
 
-def set_aside_earlier_run(run_dir: Path) -> None:
+def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
     """A run that starts from step 0 in a directory an earlier run used moves that run's
     checkpoints, trajectories, metrics and model directories (step_N/, final/, critic/) into
     previous/ (replacing what an even earlier one left there). Left in place, the earlier run's
@@ -160,8 +165,9 @@ def set_aside_earlier_run(run_dir: Path) -> None:
     for name in found + steps:
         os.replace(run_dir / name, previous / name)
     listed = ", ".join(found + ([f"{len(steps)} step_N/"] if steps else []))
-    print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous} "
-          "(trainer.resume=auto continues a run instead)", file=sys.stderr)
+    print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous}"
+          + (" (trainer.resume=auto continues a run instead)" if not resuming else " (it had no checkpoint to resume)"),
+          file=sys.stderr)
 
 
 def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Path) -> list[dict[str, float]]:
@@ -175,7 +181,7 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
         roles.sync_weights(version=done)
         print(f"resumed from {checkpoint} after step {done}")
     else:
-        set_aside_earlier_run(run_dir)
+        set_aside_earlier_run(run_dir, resuming=t.resume == "auto")
     # The dtypes `auto` chose (the probe is cached per process; Ray actors probe the same machine).
     dtypes = {"engine_bf16": float(choose_dtype(config.model.dtype, config.engine.device).dtype == "bfloat16"),
               "trainer_bf16": float(choose_dtype(t.dtype, t.device).dtype == "bfloat16")}

@@ -117,6 +117,11 @@ def test_sft_replaces_its_own_output_but_never_a_directory_of_other_files(tmp_pa
     first = (output / "model.safetensors").read_bytes()
     run_sft(sft_recipe(tiny_model_dir, output, "sft.seed=7"))  # its own full model: replaced ...
     assert (output / "model.safetensors").read_bytes() != first
+    with pytest.raises(ConfigError) as err:  # adapters saved over their own base would name themselves
+        run_sft(sft_recipe(output, output, "model.lora.rank=4"))
+    assert str(err.value) == (f"sft.base_model: '{output}' is inside sft.output ('{output}'), which the save "
+                              "replaces with LoRA adapters that name their base; save them elsewhere")
+    assert (output / "model.safetensors").is_file()
     run_sft(sft_recipe(tiny_model_dir, output, "model.lora.rank=4"))  # ... and by adapters
     assert (output / "adapter_config.json").is_file() and not (output / "model.safetensors").exists()
 

@@ -294,6 +294,29 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_recip
     assert weights("final") == weights("step_1") and weights("previous/final") == weights("previous/step_3")
 
 
+def test_a_resumed_run_takes_the_recipes_learning_rate_and_refuses_another_models_checkpoint(tmp_path, tiny_recipe):
+    """The checkpoint holds the optimizer's moments and the schedule's position; its learning rate
+    is the recipe's (it used to stay the checkpoint's, while config.yaml showed the new one). A
+    checkpoint of another parameter layout is a ConfigError naming it, not dcp's traceback."""
+    from agentrl.errors import ConfigError
+    from agentrl.train import train
+
+    recipe = tiny_recipe("""
+        rollout: {group_size: 2, max_turns: 1, max_new_tokens_per_turn: 4}
+        trainer: {steps: 1, tasks_per_step: 2, lr: 1.0e-3, warmup_steps: 4, save_every: 1}
+    """)
+    run = [f"output_dir={tmp_path / 'run'}"]
+    assert [h["lr"] for h in train(load_recipe(recipe, run))] == [pytest.approx(1e-3 / 4)]
+    with pytest.raises(ConfigError) as err:
+        train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=2", "model.lora.rank=4"]))
+    assert str(err.value) == (
+        f"{tmp_path / 'run' / 'checkpoints' / 'step_1' / 'policy'}: the checkpoint does not fit this run's model "
+        "(Missing key in checkpoint state_dict: model.base_model.model.model.layers.0.self_attn.q_proj.lora_A."
+        "default.weight); resume with the model.path and model.lora settings of the run that wrote it")
+    resumed = train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=2", "trainer.lr=5e-2"]))
+    assert [h["lr"] for h in resumed] == [pytest.approx(1e-3 / 4), pytest.approx(5e-2 * 2 / 4)]
+
+
 def test_activation_checkpointing_gives_the_same_update():
     from agentrl.models import enable_activation_checkpointing
 
@@ -334,7 +357,8 @@ def test_failed_episodes_are_left_out_of_the_update_and_the_baseline():
 
 def test_the_kl_in_the_reward_is_reported_as_kl_ref_like_the_kl_loss():
     """Both place the same KL (k3, policy before the update against the reference) in the step; the
-    metric is its mean over the trained tokens either way."""
+    metric is its mean over the trained tokens either way, and so is the entropy, whatever the
+    loss's aggregation (a sum per sequence grows with length: it reported 75.5 nats of entropy)."""
     from agentrl.train import learn
     from agentrl.trainer.policy import ReferenceWorker
 
@@ -345,14 +369,19 @@ def test_the_kl_in_the_reward_is_reported_as_kl_ref_like_the_kl_loss():
         traj.append(completion, trainable=True, logprobs=[-1.0] * len(completion))
         traj.reward = reward
         trajectories.append(traj)
-    kl_ref = {}
-    for in_reward in (False, True):
-        algo = AlgorithmConfig(advantage="grpo", kl_coef=0.1, kl_in_reward=in_reward)
-        policy = PolicyWorker(make_tiny_llama(), 2, lr=1e-3, temperature=1.0, kl_coef=0.0 if in_reward else 0.1)
+    kl_ref, entropy = {}, {}
+    for in_reward, aggregation in ((False, "token-mean"), (True, "token-mean"), (False, "seq-mean-token-sum"),
+                                   (True, "seq-mean-token-sum"), (False, "seq-mean-token-mean")):
+        algo = AlgorithmConfig(advantage="grpo", kl_coef=0.1, kl_in_reward=in_reward, aggregation=aggregation)
+        policy = PolicyWorker(make_tiny_llama(), 2, lr=1e-3, temperature=1.0, kl_coef=0.0 if in_reward else 0.1,
+                              aggregation=aggregation)
         reference = ReferenceWorker(make_tiny_llama(seed=1), 2, 1.0, 4096)
-        kl_ref[in_reward] = learn(trajectories, 2, algo, policy, reference, None, {})["kl_ref"]
-    assert kl_ref[True] == pytest.approx(kl_ref[False], abs=1e-6)
-    assert kl_ref[True] == pytest.approx(0.01939, abs=1e-5)  # two random models: not 0.0
+        update = learn(trajectories, 2, algo, policy, reference, None, {})
+        kl_ref[in_reward, aggregation], entropy[in_reward, aggregation] = update["kl_ref"], update["entropy"]
+    assert kl_ref[True, "token-mean"] == pytest.approx(0.01939, abs=1e-5)  # two random models: not 0.0
+    assert kl_ref == pytest.approx(dict.fromkeys(kl_ref, kl_ref[True, "token-mean"]), abs=1e-6)
+    assert entropy == pytest.approx(dict.fromkeys(entropy, entropy[False, "token-mean"]), abs=1e-5)
+    assert entropy[False, "token-mean"] < math.log(49152)  # nats per token
 
 
 RAISING_REWARDS = '''
@@ -656,9 +685,17 @@ def test_a_run_refuses_at_start_what_would_fail_or_destroy_something_at_its_end(
     (run / "previous" / "final").mkdir(parents=True)
     (run / "previous" / "final" / "config.json").write_text("{}")
     config = load_recipe("recipes/quickstart.yaml", [f"output_dir={run}", f"model.path={run / 'previous' / 'final'}"])
-    with pytest.raises(ConfigError, match=r"model.path: '.*previous/final' is inside .*previous, which this run replaces"):
+    with pytest.raises(ConfigError, match=r"model.path: '.*previous/final' is inside .*previous, which this run moves"):
         check_run_dir(config, run)
     check_run_dir(load_recipe("recipes/quickstart.yaml", [f"output_dir={run}"]), run)  # an empty final/ is fine
+    # Training on from the last run's result in the same directory: a run from step 0 moves final/
+    # into previous/ (a resume would not find it), and LoRA adapters saved over it would name themselves.
+    (run / "final" / "config.json").write_text("{}")
+    config = load_recipe("recipes/quickstart.yaml", [f"output_dir={run}", f"model.path={run / 'final'}"])
+    with pytest.raises(ConfigError) as err:
+        check_run_dir(config, run)
+    assert str(err.value) == (f"model.path: '{run / 'final'}' is inside {run / 'final'}, which this run moves or "
+                              "replaces; copy it elsewhere, or use another output_dir")
     (run / "step_2" / "additional_chat_templates").mkdir(parents=True)  # a tokenizer's extra templates
     (run / "step_2" / "config.json").write_text("{}")
     (run / "step_2" / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")

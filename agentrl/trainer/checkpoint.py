@@ -153,14 +153,28 @@ def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
 
 
 def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: "Ranks") -> None:
+    """Model and optimizer state from `save_sharded`'s files. The optimizer's settings (lr,
+    weight_decay, betas) stay those it was built with, the recipe's: a run resumed with a new
+    trainer.lr uses it; only the state (moments, step counts) comes from the checkpoint. A
+    checkpoint of another model or LoRA layout is a ConfigError naming it."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     state, options = _training_state(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
+    except (Exception, CheckpointException) as e:  # its text holds tracebacks; the first missing key or size says it
+        found = re.search(r"Missing key in checkpoint state_dict: [\w.]+|Size mismatch[^\n]*|size mismatch[^\n]*", str(e))
+        reason = found.group(0).rstrip(".") if found else (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{path}: the checkpoint does not fit this run's model ({reason}); resume with the "
+                          "model.path and model.lora settings of the run that wrote it") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    for group, configured in zip(optimizer.param_groups, settings):
+        group.update(configured)
     rng = Path(path) / f"{RNG_PREFIX}{ranks.rank}.pt"
     if rng.is_file():  # absent where the checkpoint was written at a smaller world size
         _set_rng_state(torch.load(rng, weights_only=False))

@@ -181,20 +181,20 @@ class PolicyWorker:
             part = (batch.num_tokens if token_mean else int((batch.mask_BT.sum(1) > 0).sum())) / max(total, 1)
             loss, clip_metrics = ppo_policy_loss(logprobs_BT, old_BT, advantages_BT, batch.mask_BT, **self.clip)
             loss = loss * part
-            entropy = aggregate(entropy_BT, batch.mask_BT, self.clip["aggregation"])
+            # The loss terms follow the aggregation; the reported entropy and KL are token means
+            # whatever it is (as the KL in the rewards is reported): a sum per sequence is no entropy.
             if self.entropy_coef:
-                loss = loss - self.entropy_coef * entropy * part
+                loss = loss - self.entropy_coef * aggregate(entropy_BT, batch.mask_BT, self.clip["aggregation"]) * part
             if ref_logprobs is not None:
                 ref_BT = pad_values([ref_logprobs[i] for i in idx], width, self.device)
-                kl = aggregate(kl_estimate(logprobs_BT, ref_BT, self.kl_estimator), batch.mask_BT,
-                               self.clip["aggregation"])
+                kl_BT = kl_estimate(logprobs_BT, ref_BT, self.kl_estimator)
                 if self.kl_coef:
-                    loss = loss + self.kl_coef * kl * part
-                metrics["kl_ref"] += kl.item() * part
+                    loss = loss + self.kl_coef * aggregate(kl_BT, batch.mask_BT, self.clip["aggregation"]) * part
+                metrics["kl_ref"] += (kl_BT.detach() * batch.mask_BT).sum().item() / tokens
             # FSDP averages gradients over ranks; each rank's loss is its part of the global loss.
             (loss * self.ranks.world_size).backward()
             metrics["loss"] += loss.item()
-            metrics["entropy"] += entropy.item() * part
+            metrics["entropy"] += (entropy_BT.detach() * batch.mask_BT).sum().item() / tokens
             metrics["clip_fraction"] += clip_metrics["clip_fraction"] * part
             metrics["approx_kl"] += clip_metrics["approx_kl"] * part
         metrics["grad_norm"] = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)))
@@ -227,5 +227,11 @@ class PolicyWorker:
 
     def load_state(self, path: str | Path, extra: dict[str, Any]) -> None:
         load_sharded(path, self.model, self.optimizer, self.ranks)
+        # The checkpoint gives the schedule's position; the learning rate is the recipe's.
         self.scheduler.load_state_dict(extra["scheduler"])
+        self.scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # what get_last_lr() reads
         self.rng.setstate(extra["rng"])

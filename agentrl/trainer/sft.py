@@ -76,7 +76,9 @@ def run_sft(config) -> str:
     """`agentrl sft`: demonstrations → supervised steps → a model directory; returns its path."""
     import sys
     import time
+    from pathlib import Path
 
+    from agentrl.errors import ConfigError
     from agentrl.recipe import to_yaml
     from agentrl.data import arithmetic_demonstrations, conversation_file
     from agentrl.hardware import choose_dtype
@@ -87,6 +89,10 @@ def run_sft(config) -> str:
     print(to_yaml(config), file=sys.stderr)
     s = config.sft
     check_replaceable(s.output, "sft.output")  # before anything loads: the save replaces the directory
+    if config.model.lora.rank > 0 and Path(s.base_model).exists() and \
+            Path(s.base_model).resolve().is_relative_to(Path(s.output).resolve()):
+        raise ConfigError(f"sft.base_model: '{s.base_model}' is inside sft.output ('{s.output}'), which the save "
+                          "replaces with LoRA adapters that name their base; save them elsewhere")
     tools = load_tool_files(config.rollout.tool_configs)
     conversations = (arithmetic_demonstrations(s.num_examples, s.seed, s.min_digits, s.max_digits,
                                                config.rollout.system_prompt)
