@@ -246,6 +246,78 @@ def test_an_id_outside_the_vocabulary_fails_only_its_own_request(tiny_model):
     assert len(asyncio.run(run()).token_ids) == 40
 
 
+def test_a_request_past_the_models_positions_fails_alone_naming_both_numbers(tiny_model):
+    """GPT-2's learned positions raised an IndexError past n_positions that failed every request
+    of the batch; a rotary model (Llama) decoded garbage there without a word."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0)).eval()
+    engine = HFEngine(gpt2, pad_token_id=0)
+
+    async def run():
+        fits = engine.generate(list(range(3, 31)), greedy(4))  # 28 + 4 = 32 positions: all of them
+        too_long = engine.generate(list(range(3, 43)), greedy(4))
+        return await asyncio.gather(fits, too_long, return_exceptions=True)
+
+    fits, too_long = asyncio.run(run())
+    assert len(fits.token_ids) == 4 and fits.finish == "length"
+    assert isinstance(too_long, ValueError) and str(too_long) == \
+        "generate: 40 prompt tokens + max_new_tokens 4 exceed the model's max_position_embeddings (32)"
+    with pytest.raises(ValueError, match=r"^generate: 28 prompt tokens \+ max_new_tokens 5 exceed"):
+        asyncio.run(engine.generate(list(range(3, 31)), greedy(5)))  # the sequence, its last token too, must fit
+    tiny_model.config.max_position_embeddings = 8
+    with pytest.raises(ValueError, match=r"^generate: 5 prompt tokens \+ max_new_tokens 4 exceed the model's "
+                                         r"max_position_embeddings \(8\)$"):
+        asyncio.run(HFEngine(tiny_model, pad_token_id=2).generate(PROMPTS[0], greedy(4)))
+
+
+def test_generate_does_not_wait_for_the_event_loops_executor(tiny_model):
+    """Tool calls that timed out keep their executor threads (tools/threads.py). The decode thread
+    used to be one of the loop's executor calls: queued behind them, every generate waited."""
+    import concurrent.futures
+    import threading
+
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    release = threading.Event()
+
+    async def run():
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        stuck = asyncio.ensure_future(asyncio.to_thread(release.wait))  # holds the executor's only thread
+        try:
+            return await asyncio.wait_for(engine.generate(PROMPTS[0], greedy(3)), timeout=10)
+        finally:
+            release.set()
+            await stuck
+
+    assert len(asyncio.run(run()).token_ids) == 3
+    assert engine.wait_idle(10) and not engine.serving
+
+
+def test_a_bad_tensor_in_an_update_copies_none_and_unknown_memory_tags_are_refused(tiny_model):
+    """A bad name or shape found after earlier tensors were copied left a mix of old and new
+    weights under the old version; a misspelt resume_memory tag left that memory released."""
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    before = {name: t.clone() for name, t in tiny_model.state_dict().items()}
+    new_norm = ("model.norm.weight", torch.full((64,), 9.0))
+    with pytest.raises(KeyError, match="no tensor 'lm_head.bias'; none of this call's tensors were copied"):
+        engine.update_weights(iter([new_norm, ("lm_head.bias", torch.zeros(3))]), version=1)
+    with pytest.raises(ValueError, match=r"^update_weights: 'model.layers.1.input_layernorm.weight' has shape "
+                                         r"\(3,\), expected \(64,\); none of this call's tensors were copied$"):
+        engine.update_weights([new_norm, ("model.layers.1.input_layernorm.weight", torch.zeros(3))], version=1)
+    assert all(torch.equal(t, before[name]) for name, t in tiny_model.state_dict().items())
+    assert engine.weight_version == 0
+    engine.release_memory()
+    with pytest.raises(ValueError, match=r"^resume_memory: unknown tags \['kv-cache', 'weight'\]; "
+                                         r"expected weights, kv_cache$"):
+        engine.resume_memory(("weight", "kv-cache"))
+    with pytest.raises(RuntimeError, match="weights memory is released"):
+        engine.score(PROMPTS[0], 1)
+    engine.resume_memory(("weights", "kv_cache"))
+    assert len(engine.score(PROMPTS[0], 1)) == 4
+
+
 def test_a_request_queued_while_the_decode_thread_decides_to_stop_still_runs(tiny_model):
     """The decode thread finds nothing waiting and ends; a request queued in between (here held
     open by a pause after the decision) must start a new thread, not wait for the ending one."""
@@ -299,9 +371,9 @@ def test_a_cancelled_caller_stops_its_row_and_a_cancelled_waiting_request_never_
     engine = HFEngine(tiny_model, pad_token_id=2)
 
     async def run():
-        running = asyncio.ensure_future(engine.generate(PROMPTS[0], SamplingParams(3000, 0.0, stop_token_ids=())))
+        running = asyncio.ensure_future(engine.generate(PROMPTS[0], SamplingParams(2000, 0.0, stop_token_ids=())))
         # other sampling settings: it waits for the first batch to end
-        waiting = asyncio.ensure_future(engine.generate(PROMPTS[1], SamplingParams(3000, 1.0, stop_token_ids=())))
+        waiting = asyncio.ensure_future(engine.generate(PROMPTS[1], SamplingParams(2000, 1.0, stop_token_ids=())))
         while engine.stats["requests"] == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)

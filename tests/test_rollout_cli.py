@@ -159,3 +159,17 @@ def test_a_trajectory_holding_half_a_surrogate_pair_is_still_written(tmp_path):
     lines = (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()
     assert "\\ud83d" in lines[0] and json.loads(lines[0])["messages"][0]["content"] == text
     assert '"café"' in lines[1]  # other lines stay readable
+
+
+def test_a_context_longer_than_the_models_positions_is_refused_when_the_engine_is_built(tiny_model_dir):
+    """Past its positions the engine refuses each request (hf_engine.py): every long episode would fail."""
+    from agentrl.errors import ConfigError
+    from agentrl.rollout.run import build_engine
+
+    config = load_recipe("recipes/rollout_cpu.yaml", [f"model.path={tiny_model_dir}", "rollout.max_context_tokens=4096"])
+    with pytest.raises(ConfigError) as err:
+        build_engine(config, 2)
+    assert str(err.value) == (f"rollout.max_context_tokens (4096) is more than the 2048 positions of model.path "
+                              f"'{tiny_model_dir}'; set it to 2048 or less")
+    config = load_recipe("recipes/rollout_cpu.yaml", [f"model.path={tiny_model_dir}", "rollout.max_context_tokens=2048"])
+    assert build_engine(config, 2).model.config.max_position_embeddings == 2048

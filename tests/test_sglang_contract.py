@@ -16,8 +16,12 @@ import io
 import json
 import os
 import pickle
+import re
 import socket
+import threading
+import time
 from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -373,3 +377,94 @@ def test_a_server_that_never_answers_the_connection_fails_within_timeout_s(monke
         engine.close()
         for s in fillers + [black_hole]:
             s.close()
+
+
+@pytest.fixture
+def loopback_server():
+    """A stand-in for SGLang's HTTP server on 127.0.0.1 (SGLang needs a GPU): real sockets, kept
+    alive between requests as SGLang's are. GET answers an empty 200; POST answers `answer["body"]`."""
+    answer = {"body": json.dumps({"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
+                                                                   "output_token_logprobs": [[-0.5, 7, None]]}})}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.reply(b"")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.reply(answer["body"].encode())
+
+        def reply(self, body: bytes):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 64  # a rollout's requests connect at once
+
+    server = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", answer
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_200_whose_body_is_not_sglangs_answer_names_url_route_and_body(loopback_server):
+    """A proxy's error page or another service on the port used to end in a bare JSONDecodeError
+    or KeyError naming neither the server nor the route."""
+    import asyncio
+
+    url, answer = loopback_server
+    engine = SGLangServerEngine(url, {})
+    calls = {"generate": lambda: asyncio.run(engine.generate([1, 2], SamplingParams(4))),
+             "score": lambda: engine.score([1, 2, 3], 1)}
+    try:
+        for body, cause in (("<html>502 Bad Gateway</html>", "JSONDecodeError: Expecting value: line 1 column 1 "
+                                                             "(char 0)"),
+                            ('{"error": "overloaded"}', "KeyError: 'meta_info'")):
+            answer["body"] = body
+            message = f"SGLang server at {url}: POST /generate failed (HTTP 200 with an unexpected body " \
+                      f"({cause}): {body})"
+            for call in calls.values():
+                with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+                    call()
+    finally:
+        engine.close()
+
+
+def test_each_rollouts_connections_close_with_its_event_loop_and_the_last_in_close(loopback_server):
+    """Each rollout runs in an event loop of its own, with a client of its own. Those clients used
+    to stay open after their loops ended (here 20 sockets each, and as many in the server), and
+    close() did not close the last one."""
+    import asyncio
+
+    url, _ = loopback_server
+    engine = SGLangServerEngine(url, {})
+
+    def open_fds(settled_at: int) -> int:  # the server closes its ends in its own threads: a moment later
+        deadline = time.monotonic() + 5
+        while len(os.listdir("/proc/self/fd")) != settled_at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(os.listdir("/proc/self/fd"))
+
+    async def rollout():
+        await asyncio.gather(*(engine.generate([1, 2, 3], SamplingParams(1)) for _ in range(20)))
+
+    before = len(os.listdir("/proc/self/fd"))  # with the synchronous client's connection, both ends
+    for _ in range(3):
+        asyncio.run(rollout())
+        assert open_fds(before) == before
+    loop = asyncio.new_event_loop()  # a loop that stays open: its client is still connected
+    try:
+        loop.run_until_complete(rollout())
+        assert len(os.listdir("/proc/self/fd")) >= before + 40  # 20 connections, both ends
+        engine.close()
+    finally:
+        loop.close()
+    assert open_fds(before - 2) == before - 2  # the synchronous client's connection closed too

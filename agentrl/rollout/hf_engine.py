@@ -62,7 +62,6 @@ class HFEngine:
         self.message_end_ids = frozenset(message_end_ids)  # a prompt's first message is shared (kv_cache.py)
         self.mixed_passes = install(model)  # rows join running ones in one packed pass (SDPA models)
         self._pending = PendingRequests()  # the event loop adds requests, the decode thread takes them
-        self._server: asyncio.Future | None = None
         self._lock = threading.Lock()  # decoding, weight updates and memory release never overlap
         self._released: set[str] = set()  # memory tags paused by release_memory and not resumed yet
 
@@ -73,9 +72,22 @@ class HFEngine:
         if not all(0 <= t < vocabulary for t in token_ids):  # inside a batch it would fail every row
             bad = next(t for t in token_ids if not 0 <= t < vocabulary)
             raise ValueError(f"generate: token id {bad} is outside the model's vocabulary (0..{vocabulary - 1})")
+        # Past its positions a rotary model decodes garbage silently, and a learned-position one (GPT-2)
+        # raises an IndexError that fails every row of the batch.
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if positions is not None and len(token_ids) + sampling.max_new_tokens > positions:
+            raise ValueError(f"generate: {len(token_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
+                             f"exceed the model's max_position_embeddings ({positions})")
         request = Request(list(token_ids), sampling, asyncio.get_running_loop().create_future())
         if self._pending.add(request):
-            self._server = asyncio.ensure_future(asyncio.to_thread(self._serve))
+            # A thread of its own, not the loop's executor: tool calls that timed out keep their
+            # executor slots, and a decode queued behind them would leave every request waiting.
+            try:
+                threading.Thread(target=self._serve, name="agentrl-decode", daemon=True).start()
+            except BaseException:
+                request.future.cancel()  # dropped from the queue unseen
+                self._pending.stopped()
+                raise
         return await request.future
 
     def _serve(self) -> None:
@@ -94,7 +106,7 @@ class HFEngine:
 
     def wait_idle(self, timeout_s: float | None = 30.0) -> bool:
         """Block until the decode thread has stopped; False on timeout. The rollout calls this before
-        returning: the thread runs on a daemon executor, and a process that exits while it is still
+        returning: the thread is a daemon, and a process that exits while it is still
         inside torch (tidying the batch after its last result) can abort in torch's C++ teardown."""
         return self._pending.wait_idle(timeout_s)
 
@@ -245,16 +257,19 @@ class HFEngine:
         prefix cache, whose keys and values the old weights computed; without it they are reused."""
         with self._lock:
             self._check_resident("update_weights", ("weights",))
+            targets = self.model.state_dict()  # shares storage with the live parameters
+            named_tensors = list(named_tensors)  # all checked before any is copied: no half-updated model
+            for name, tensor in named_tensors:  # (a sync sends one call per bucket: earlier ones stay applied)
+                if name not in targets:
+                    raise KeyError(f"update_weights: the engine's model has no tensor '{name}'; "
+                                   f"none of this call's tensors were copied")
+                if targets[name].shape != tensor.shape:
+                    raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(targets[name].shape)}; none of this call's tensors were copied")
             if flush_cache:
                 self.prefix_cache.clear()
                 self.stats["kv_cache_bytes"] = 0
-            targets = self.model.state_dict()  # shares storage with the live parameters
             for name, tensor in named_tensors:
-                if name not in targets:
-                    raise KeyError(f"update_weights: the engine's model has no tensor '{name}'")
-                if targets[name].shape != tensor.shape:
-                    raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(targets[name].shape)}")
                 targets[name].copy_(tensor)
             self.weight_version = version
 
@@ -269,6 +284,9 @@ class HFEngine:
                 self._released.add(tag)
 
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        unknown = set(tags or ()) - set(TAGS)  # a misspelt tag would leave that memory released
+        if unknown:
+            raise ValueError(f"resume_memory: unknown tags {sorted(unknown)}; expected {', '.join(TAGS)}")
         with self._lock:
             for tag in TAGS if tags is None else [t for t in TAGS if t in tags]:
                 self.memory_saver.resume(tag)

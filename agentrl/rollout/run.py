@@ -76,6 +76,10 @@ def build_engine(config: RecipeConfig, pad_token_id: int, message_end_ids: tuple
     saver = memory_saver_for(e.device)  # on CUDA the weights live in a region the engine can release
     with saver.region("weights"):
         model = load_model(config.model.path, choose_dtype(config.model.dtype, e.device).dtype).to(e.device)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and config.rollout.max_context_tokens > positions:  # else every long episode fails
+        raise ConfigError(f"rollout.max_context_tokens ({config.rollout.max_context_tokens}) is more than the "
+                          f"{positions} positions of model.path '{config.model.path}'; set it to {positions} or less")
     return HFEngine(model, pad_token_id=pad_token_id, max_batch_size=e.max_batch_size, seed=e.seed,
                     kv_cache_bytes=e.kv_cache_bytes, memory_saver=saver, message_end_ids=message_end_ids)
 

@@ -34,7 +34,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Literal, TypeVar
 from urllib.parse import urlparse
 
 import httpx
@@ -62,6 +62,14 @@ def _prepended(first: T, rest: Iterator[T]) -> Iterator[T]:
     del first
     yield held.pop()
     yield from rest
+
+
+async def _closed_at_loop_end(client: httpx.AsyncClient) -> AsyncIterator[None]:
+    """Suspended until its event loop shuts its async generators down, then closes `client` there."""
+    try:
+        yield
+    finally:
+        await client.aclose()
 
 
 def _timeout(seconds: float) -> httpx.Timeout:
@@ -110,7 +118,7 @@ class SGLangServerEngine:
         self.stats = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._regions = ReleasedRegions()
         self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
-        self._async: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        self._async: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient, AsyncIterator[None]] | None = None
         self.check_health()
 
     def _failure(self, route: str, cause: str) -> RuntimeError:
@@ -119,6 +127,15 @@ class SGLangServerEngine:
             where += f"; the server exited with code {self.process.returncode}, log {self.log_path}: " \
                      f"{log_tail(self.log_path)}"
         return RuntimeError(where)
+
+    def _parsed(self, route: str, response: httpx.Response, parse: Callable[[Any], T]) -> T:
+        """`parse` of a 200's JSON body. Another answer (a proxy's error page, another service on the
+        port) fails naming the URL, the route and the body, not with a bare JSON or key error."""
+        try:
+            return parse(response.json())
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            raise self._failure(route, f"HTTP 200 with an unexpected body ({type(e).__name__}: {e}): "
+                                       f"{response.text.strip()[:300]}") from None
 
     def _post(self, route: str, body: dict[str, Any] | None = None, retries: int = RETRIES,
               params: dict[str, Any] | None = None) -> httpx.Response:
@@ -144,13 +161,35 @@ class SGLangServerEngine:
         """One token through the scheduler (/health_generate); raises naming the URL when it is down."""
         self._send("GET", "/health_generate", None, timeout=min(self.timeout_s, 60.0))
 
-    def _async_client(self) -> httpx.AsyncClient:
-        """One client per event loop: each rollout runs in an event loop of its own."""
+    async def _async_client(self) -> httpx.AsyncClient:
+        """One client per event loop (each rollout runs in an event loop of its own), closed in its
+        loop when the loop ends: the client lives in an async generator, and asyncio.run (and
+        run_with_daemon_threads) closes a loop's async generators before the loop. Left unclosed,
+        every rollout's connections stayed open (a socket each) for as long as the engine lived."""
         loop = asyncio.get_running_loop()
         if self._async is None or self._async[0] is not loop:
+            self._close_async_client()
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self._async = (loop, httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits))
+            client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits)
+            lifetime = _closed_at_loop_end(client)
+            self._async = (loop, client, lifetime)
+            await anext(lifetime)  # the running loop now holds it among its async generators
         return self._async[1]
+
+    def _close_async_client(self) -> None:
+        """Close the last loop's client if its loop did not: one still running (a server's), or
+        one stopped without asyncio.run's shutdown."""
+        if self._async is None:
+            return
+        loop, _, lifetime = self._async
+        self._async = None
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(lifetime.aclose(), loop)  # type: ignore[attr-defined]
+        elif not loop.is_closed():
+            try:
+                loop.run_until_complete(lifetime.aclose())  # type: ignore[attr-defined]
+            except RuntimeError:  # another loop runs in this thread: the old one closes it once freed
+                pass
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
         if not token_ids:
@@ -160,8 +199,8 @@ class SGLangServerEngine:
         deadline = time.monotonic() + self.timeout_s
         for attempt in range(RETRIES):
             try:
-                response = await self._async_client().post("/generate", json=body,
-                                                           timeout=_timeout(deadline - time.monotonic()))
+                client = await self._async_client()
+                response = await client.post("/generate", json=body, timeout=_timeout(deadline - time.monotonic()))
                 break
             except httpx.TransportError as e:
                 if not _retry(e, attempt, RETRIES, deadline):
@@ -169,9 +208,8 @@ class SGLangServerEngine:
                 await asyncio.sleep(0.5 * 2**attempt)
         if response.status_code != 200:
             raise self._failure("POST /generate", f"HTTP {response.status_code}: {response.text.strip()[:300]}")
-        out = response.json()
-        completion = to_completion(out, version)
-        meta = out["meta_info"]
+        completion, meta = self._parsed("POST /generate", response,
+                                        lambda out: (to_completion(out, version), out["meta_info"]))
         for key, value in (("requests", 1), ("generated_tokens", len(completion.token_ids)),
                            ("prompt_tokens", meta.get("prompt_tokens") or 0),
                            ("cached_tokens", meta.get("cached_tokens") or 0)):
@@ -180,9 +218,9 @@ class SGLangServerEngine:
 
     def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
         check_score_args(token_ids, start, temperature)
-        out = self._post("/generate", {"input_ids": list(token_ids), "sampling_params": {"max_new_tokens": 0},
-                                       "return_logprob": True, "logprob_start_len": start - 1}).json()
-        return prompt_logprobs(out, token_ids, start)
+        response = self._post("/generate", {"input_ids": list(token_ids), "sampling_params": {"max_new_tokens": 0},
+                                            "return_logprob": True, "logprob_start_len": start - 1})
+        return self._parsed("POST /generate", response, lambda out: prompt_logprobs(out, token_ids, start))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush_cache: bool = True) -> None:
@@ -250,6 +288,7 @@ class SGLangServerEngine:
 
     def close(self) -> None:
         self._client.close()
+        self._close_async_client()
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
         if self.process is not None:
