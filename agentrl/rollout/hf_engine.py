@@ -34,7 +34,7 @@ from agentrl.rollout.kv_cache import PrefixKVCache, check_cache_layout, plan_reu
 from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
-from agentrl.rollout.pending import PendingRequests, Request, resolve
+from agentrl.rollout.pending import PendingRequests, Request, check_request, resolve
 from agentrl.rollout.packed_attention import install, packed
 from agentrl.types import Completion, SamplingParams
 
@@ -66,29 +66,25 @@ class HFEngine:
         self._released: set[str] = set()  # memory tags paused by release_memory and not resumed yet
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
-        if not token_ids:
-            raise ValueError("generate needs at least one prompt token")
-        vocabulary = self.model.get_input_embeddings().num_embeddings
-        if not all(0 <= t < vocabulary for t in token_ids):  # inside a batch it would fail every row
-            bad = next(t for t in token_ids if not 0 <= t < vocabulary)
-            raise ValueError(f"generate: token id {bad} is outside the model's vocabulary (0..{vocabulary - 1})")
-        # Past its positions a rotary model decodes garbage silently, and a learned-position one (GPT-2)
-        # raises an IndexError that fails every row of the batch.
-        positions = getattr(self.model.config, "max_position_embeddings", None)
-        if positions is not None and len(token_ids) + sampling.max_new_tokens > positions:
-            raise ValueError(f"generate: {len(token_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
-                             f"exceed the model's max_position_embeddings ({positions})")
-        request = Request(list(token_ids), sampling, asyncio.get_running_loop().create_future())
+        check_request(self.model, token_ids, sampling)
+        loop = asyncio.get_running_loop()
+        request = Request(list(token_ids), sampling, loop.create_future())
         if self._pending.add(request):
-            # A thread of its own, not the loop's executor: tool calls that timed out keep their
-            # executor slots, and a decode queued behind them would leave every request waiting.
-            try:
-                threading.Thread(target=self._serve, name="agentrl-decode", daemon=True).start()
-            except BaseException:
-                request.future.cancel()  # dropped from the queue unseen
-                self._pending.stopped()
-                raise
+            # Started once this turn of the loop is over, so that the requests its other tasks make
+            # meanwhile (a group of episodes starting together) queue first and decode as one batch:
+            # how requests batch decides the order they draw from the sampling RNG.
+            loop.call_soon(self._start_decode_thread, request)
         return await request.future
+
+    def _start_decode_thread(self, request: Request) -> None:
+        """A thread of its own, not the loop's executor: tool calls that timed out keep their
+        executor slots, and a decode queued behind them would leave every request waiting."""
+        try:
+            threading.Thread(target=self._serve, name="agentrl-decode", daemon=True).start()
+        except BaseException as e:  # no thread: the request that asked for one fails, the next one asks again
+            self._pending.stopped()
+            if not request.future.done():
+                request.future.set_exception(e)
 
     def _serve(self) -> None:
         """The decode thread: one running batch after another until no request waits."""

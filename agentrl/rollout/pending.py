@@ -5,7 +5,8 @@ The event loop queues requests (`add`); the decode thread takes them batch by ba
 thread is deciding to stop starts a new thread rather than waiting for one that is ending. A
 request whose caller was cancelled (an HTTP client that hung up) is dropped unseen.
 
-This module does not decode; hf_engine.py does.
+This module does not decode; hf_engine.py does. `check_request` is what a request must satisfy
+before it is queued.
 """
 
 from __future__ import annotations
@@ -22,6 +23,22 @@ class Request:
     token_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+
+
+def check_request(model, token_ids: list[int], sampling: SamplingParams) -> None:
+    """A ValueError for a request that cannot run: inside a batch it would fail every row (a token
+    outside the vocabulary, a position past the model's: GPT-2's IndexError), or, on a rotary
+    model past its positions, decode garbage silently."""
+    if not token_ids:
+        raise ValueError("generate needs at least one prompt token")
+    vocabulary = model.get_input_embeddings().num_embeddings
+    if not all(0 <= t < vocabulary for t in token_ids):
+        bad = next(t for t in token_ids if not 0 <= t < vocabulary)
+        raise ValueError(f"generate: token id {bad} is outside the model's vocabulary (0..{vocabulary - 1})")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and len(token_ids) + sampling.max_new_tokens > positions:
+        raise ValueError(f"generate: {len(token_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
+                         f"exceed the model's max_position_embeddings ({positions})")
 
 
 def resolve(future: asyncio.Future, result: Completion | Exception) -> None:
