@@ -550,6 +550,18 @@ def test_pack_cost_counts_the_model_and_refuses_what_a_4d_mask_cannot_describe()
     sliding = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
     assert pack_cost(MistralForCausalLM(sliding)) is None
+    # GPT-Neo's local layers (packed: logprobs 0.015 off past the window) and ALiBi, whose bias
+    # counts key indices (MPT: 0.1 off; Bloom: its packed pass raised).
+    from transformers import (BloomConfig, BloomForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, MptConfig,
+                              MptForCausalLM)
+
+    local = GPTNeoConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, window_size=8,
+                         attention_types=[[["global", "local"], 1]])
+    assert pack_cost(GPTNeoForCausalLM(local)) is None
+    assert pack_cost(GPTNeoForCausalLM(GPTNeoConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                                                    attention_types=[[["global"], 2]]))) is not None
+    assert pack_cost(MptForCausalLM(MptConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4))) is None
+    assert pack_cost(BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=64, n_layer=2, n_head=4))) is None
     engine_model = make_tiny_llama()
     assert install(engine_model) and pack_cost(engine_model) is None
 

@@ -21,7 +21,9 @@ the model's size), so long completions split a group over several packed rows an
 share one. bench/packed_update.py and the README have the figures.
 
 Packing needs attention that honours a custom 4D mask and position ids (transformers' SDPA and
-eager attention) over every key (a sliding-window layer given the full mask would see too much):
+eager attention) over every key (a sliding-window layer given the full mask would see too much,
+GPT-Neo's local layers too, set by `attention_layers` rather than by cache layers), with positions
+from the position ids (ALiBi's bias, MPT's and Bloom's, counts key indices, which packing moves):
 `pack_cost` returns None for any other model, whose rows then run in full, one per padded row.
 """
 
@@ -75,6 +77,10 @@ def pack_cost(model: torch.nn.Module) -> PackCost | None:
     config = model.config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager", segment_attention.NAME) or plain_attention_layers(config):
+        return None
+    alibi = config.model_type == "bloom" or getattr(config, "alibi", False) or \
+        getattr(getattr(config, "attn_config", None), "alibi", False)
+    if alibi or "local" in (getattr(config, "attention_layers", None) or ()):
         return None
     embeddings = model.get_input_embeddings().weight.numel()
     token = sum(p.numel() for p in model.get_decoder().parameters()) - embeddings
