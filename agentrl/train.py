@@ -188,7 +188,7 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
     with RunLogger(run_dir, config.model_dump(mode="json"), t.steps, t.wandb_project, start_step=done) as logger:
         for step in range(done + 1, t.steps + 1):
             tasks = [pool[i % len(pool)] for i in range((step - 1) * t.tasks_per_step, step * t.tasks_per_step)]
-            clock = time.perf_counter()
+            clock = step_started = time.perf_counter()
             trajectories = roles.collect(tasks)
             rollout = summarize(trajectories, time.perf_counter() - clock)
             times = {"time_rollout_s": time.perf_counter() - clock}
@@ -203,6 +203,7 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
             roles.sync_weights(version=step)
             roles.resume_memory(("kv_cache",))
             times["time_sync_s"] = time.perf_counter() - clock
+            times["time_step_s"] = time.perf_counter() - step_started  # the phases and what runs between them
 
             record = step_record(step, trajectories, rollout, update, times, roles.weight_version())
             record.update(dtypes)

@@ -1,7 +1,8 @@
 """Seconds per GRPO step: agentrl against TRL's GRPOTrainer on the same single-turn workload (CPU).
 
-Workload, identical on both sides: SmolLM2-135M-Instruct, full fine-tuning, in float32 (or both in
-bf16 with --dtype bfloat16), the same generated arithmetic prompts rendered by the same chat
+Workload, identical on both sides: SmolLM2-135M-Instruct, full fine-tuning, in float32 (with
+--dtype bfloat16 the sides differ: agentrl's engine holds bf16 weights and its trainer runs bf16
+autocast; TRL's bf16 flag runs autocast over float32 weights throughout), the same generated arithmetic prompts rendered by the same chat
 template, --prompts × --group completions per step (default 4 × 4), at most --max-new-tokens new
 tokens (default 32) at temperature 1, the same exact-answer reward, no KL term (beta 0), one AdamW step per batch
 (lr 1e-6, grad clip 1.0), clip 0.2, token-mean loss. A step is generation + logprobs + update
@@ -18,8 +19,11 @@ system allocator, as a TRL user has it by default.
 
 Prints the machine (CPU, its amx_bf16/avx512_bf16 flags, dtype, allocator) and, per side, where a step's
 time goes: agentrl's rollout / logprobs / update / sync from its metrics; TRL's generation and
-scoring (`_generate_and_score_completions`, which includes its logprob passes) against the rest of
-the step (loss, backward, optimizer).
+scoring (`_generate_and_score_completions`; with one iteration per batch and no KL it runs no extra
+logprob pass) against the rest of the step (loss, backward, optimizer). A step's time is its wall
+time on both sides (agentrl's `time_step_s`). TRL runs without gradient checkpointing, as agentrl
+does (TRL's own default turns it on). Each side samples its own completions, so the ratio is also
+printed per completion token.
 
 Run: python bench/vs_trl.py [--steps 8] [--prompts 8 --group 4 --max-new-tokens 64] [--dtype float32]
 """
@@ -44,13 +48,19 @@ SYSTEM = "Solve the problem and end with the final number."
 
 
 def ensure_trl_venv(path: Path) -> Path:
+    """TRL's environment, with the transformers agentrl runs on here (both sides run the same model
+    code); set up again when that version changes."""
+    from importlib.metadata import version
+
     python = path / "bin" / "python"
-    if not (path / ".installed").exists():
-        print(f"creating {path} with {TRL_PIN} (first run only)", flush=True)
+    pins = [TRL_PIN, f"transformers=={version('transformers')}"]
+    stamp = path / ".installed"
+    if not stamp.exists() or stamp.read_text() != " ".join(pins):
+        print(f"setting up {path} with {' '.join(pins)}", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", TORCH_PIN], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", TRL_PIN], check=True)
-        (path / ".installed").touch()
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *pins], check=True)
+        stamp.write_text(" ".join(pins))
     return python
 
 
@@ -104,7 +114,8 @@ def trl_worker(workload_path: str) -> None:
         gradient_accumulation_steps=1, num_generations=w["group"], max_completion_length=w["max_new_tokens"],
         temperature=1.0, top_p=1.0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, num_iterations=1, loss_type="dapo",
-        shuffle_dataset=False, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        shuffle_dataset=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_checkpointing=False)  # TRL's default is True; agentrl's activation_checkpointing is off
     model = AutoModelForCausalLM.from_pretrained(w["model"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(w["model"], padding_side="left")
     timer = StepTimer()
@@ -137,8 +148,7 @@ def run_agentrl(model_path: str, steps: int, output_dir: Path, prompts: int, gro
         "trainer": {"steps": steps, "tasks_per_step": prompts, "lr": LR, "grad_clip": 1.0, "dtype": dtype,
                     "micro_batch_tokens": 8192}})
     history = train(config)
-    step_s = [sum(h[k] for k in ("time_rollout_s", "time_logprobs_s", "time_update_s", "time_sync_s"))
-              for h in history]
+    step_s = [h["time_step_s"] for h in history]  # wall time of the whole step, as TRL's callback takes it
     parts = {k.removeprefix("time_").removesuffix("_s"): [h[k] for h in history]
              for k in ("time_rollout_s", "time_logprobs_s", "time_update_s", "time_sync_s")}
     return {"step_s": step_s, "mean_completion_tokens": [h["response_tokens"] for h in history], "parts": parts}
@@ -196,16 +206,20 @@ def main() -> None:
     rows = []
     for name, result in (("agentrl", ours), ("trl", theirs)):
         timed = result["step_s"][1:]
-        rows.append((name, statistics.mean(timed), statistics.mean(result["mean_completion_tokens"])))
+        rows.append((name, statistics.mean(timed), statistics.mean(result["mean_completion_tokens"][1:])))
         print(f"{name:<8} {statistics.mean(timed):6.2f} s/step (median {statistics.median(timed):.2f}, "
               f"steps {', '.join(f'{s:.1f}' for s in result['step_s'])}); "
-              f"mean completion {rows[-1][2]:.1f} tokens")
+              f"mean completion {rows[-1][2]:.1f} tokens (timed steps)")
     mean = lambda values: statistics.mean(values[1:])  # noqa: E731  warm-up step left out
     print("agentrl per step: " + ", ".join(f"{k} {mean(v):.2f} s" for k, v in ours["parts"].items()))
     if len(theirs["generate_s"]) == len(theirs["step_s"]):
         generate, total = mean(theirs["generate_s"]), mean(theirs["step_s"])
         print(f"trl per step: generate+score {generate:.2f} s, loss+backward+optimizer {total - generate:.2f} s")
     print(f"ratio trl/agentrl seconds per step: {rows[1][1] / rows[0][1]:.2f}")
+    # Each side samples its own completions: a step's cost follows their length.
+    per_token = (rows[1][1] / rows[1][2]) / (rows[0][1] / rows[0][2])
+    print(f"ratio trl/agentrl seconds per step per completion token: {per_token:.2f}"
+          + ("  (mean completion lengths differ by more than 5%)" if abs(rows[1][2] / rows[0][2] - 1) > 0.05 else ""))
 
 
 if __name__ == "__main__":

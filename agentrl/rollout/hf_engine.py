@@ -78,9 +78,11 @@ class HFEngine:
 
     def _start_decode_thread(self, request: Request) -> None:
         """A thread of its own, not the loop's executor: tool calls that timed out keep their
-        executor slots, and a decode queued behind them would leave every request waiting."""
+        executor slots, and a decode queued behind them would leave every request waiting. Not a
+        daemon: the interpreter waits for it at exit (it stops once no request waits), since a
+        process that exits while it is still inside torch can abort in torch's C++ teardown."""
         try:
-            threading.Thread(target=self._serve, name="agentrl-decode", daemon=True).start()
+            threading.Thread(target=self._serve, name="agentrl-decode").start()
         except BaseException as e:  # no thread: the request that asked for one fails, the next one asks again
             self._pending.stopped()
             if not request.future.done():
@@ -102,8 +104,8 @@ class HFEngine:
 
     def wait_idle(self, timeout_s: float | None = 30.0) -> bool:
         """Block until the decode thread has stopped; False on timeout. The rollout calls this before
-        returning: the thread is a daemon, and a process that exits while it is still
-        inside torch (tidying the batch after its last result) can abort in torch's C++ teardown."""
+        returning, so that a rollout's end is the engine's (the thread may still be tidying the
+        batch after its last result)."""
         return self._pending.wait_idle(timeout_s)
 
     def _serve_one(self) -> bool:
