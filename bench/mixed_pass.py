@@ -2,8 +2,9 @@
 
 When episodes come back from their tools, their requests join the running batch. The engine runs
 the joining rows' new tokens and the running rows' next token in one packed forward pass (a mixed
-pass, agentrl/rollout/packed_attention.py); the reference is what it does for models without SDPA
-attention: a forward pass for the joining rows, then the decode step. Both start from the same
+pass, agentrl/rollout/packed_attention.py); the reference is the same work in the two passes a
+model without SDPA attention needs: the running rows' decode step, then a forward pass for the
+joining rows (each side samples one token per row, 32 in all). Both start from the same
 state: a batch of 32 - J rows decoding after ~300-token prompts, and J rows joining with 300 cached
 tokens (their previous turn, from the prefix cache) and `--new` new tokens each (a tool response
 and the next generation prompt). Trials alternate between the two and the medians are printed,
@@ -28,8 +29,9 @@ from machine import machine_line  # bench/machine.py, beside this script
 
 
 def one_join(engine: HFEngine, prompts: list[list[int]], joining: int, new: int, mixed: bool) -> float:
-    """Seconds for `joining` rows to join a batch of the other prompts: one mixed pass, or a join
-    pass and a decode step. The joining rows' previous turns are in the engine's prefix cache."""
+    """Seconds for `joining` rows to join a batch of the other prompts: one mixed pass, or a decode
+    step and a join pass (the same tokens). The joining rows' previous turns are in the engine's
+    prefix cache."""
     model = engine.model
     sampling = SamplingParams(10_000, 0.8, stop_token_ids=())
     batch = RunningBatch(model.config, engine.pad_token_id, engine.device, next(model.parameters()).dtype, 64)
@@ -42,8 +44,8 @@ def one_join(engine: HFEngine, prompts: list[list[int]], joining: int, new: int,
     if mixed:
         engine._mixed(batch, rows)
     else:
-        engine._prefill(batch, rows)
         engine._step(batch)
+        engine._prefill(batch, rows)
     seconds = time.perf_counter() - started
     assert all(r.hit.length == len(prompts[0]) for r in rows), "the previous turns were not reused"
     return seconds
@@ -71,7 +73,7 @@ def main() -> None:
                 times[mixed].append(one_join(engine, prompts, joining, args.new, mixed))
             mixed, separate = statistics.median(times[True]), statistics.median(times[False])
             print(f"{joining:2d} rows joining {32 - joining} running ({args.new} new tokens each): mixed pass "
-                  f"{mixed * 1000:.0f} ms, join pass + step {separate * 1000:.0f} ms, "
+                  f"{mixed * 1000:.0f} ms, step + join pass {separate * 1000:.0f} ms, "
                   f"separate/mixed {separate / mixed:.2f}")
 
 
