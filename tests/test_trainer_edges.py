@@ -434,3 +434,20 @@ def test_logprobs_follow_what_a_models_forward_does_to_its_logits():
                                           r"output head in a way the trainer does not reproduce"):
         check_logit_head(doubled, "model.path")
     assert doubled.training is False
+
+
+def test_an_adapter_of_a_builtin_model_records_its_name_not_this_machines_cache(tmp_path):
+    """The cache directory differs between machines (AGENTRL_CACHE); the name loads on any of them."""
+    import json
+
+    from agentrl.config import LoraSettings
+    from agentrl.trainer.lora import add_lora
+    from tests.conftest import make_tiny_llama
+
+    add_lora(make_tiny_llama(), LoraSettings(rank=4), "smollm2-135m-instruct").save_pretrained(tmp_path / "builtin")
+    config = json.loads((tmp_path / "builtin" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "smollm2-135m-instruct"
+    make_tiny_llama().save_pretrained(tmp_path / "base")
+    add_lora(make_tiny_llama(), LoraSettings(rank=4), str(tmp_path / "base")).save_pretrained(tmp_path / "local")
+    config = json.loads((tmp_path / "local" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())

@@ -37,14 +37,17 @@ def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str, seed: 
     rebuilds the same model."""
     from peft import LoraConfig, get_peft_model
 
-    from agentrl.models import resolve_model
+    from agentrl.models import BUILTIN_MODELS, resolve_model
 
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha if settings.alpha is not None else 2 * settings.rank,
                         lora_dropout=settings.dropout, target_modules=settings.target_modules, bias="none",
                         task_type="CAUSAL_LM")
     refuse_tied_targets(model, config)
     resolved = resolve_model(base)
-    recorded = str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
+    if base in BUILTIN_MODELS and not Path(base).is_dir():  # its name: the cache directory is this machine's
+        recorded = base
+    else:
+        recorded = str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
     # peft records the instance's `name_or_path` (transformers sets it at load, relative as given,
     # and merging a loaded adapter leaves the adapter's own base there), not the config's.
     model.config._name_or_path = model.name_or_path = recorded
