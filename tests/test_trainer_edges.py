@@ -451,3 +451,19 @@ def test_an_adapter_of_a_builtin_model_records_its_name_not_this_machines_cache(
     add_lora(make_tiny_llama(), LoraSettings(rank=4), str(tmp_path / "base")).save_pretrained(tmp_path / "local")
     config = json.loads((tmp_path / "local" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+
+
+def test_fsdp_finds_the_blocks_of_models_that_do_not_call_them_layers():
+    """Each block is sharded on its own: GPT-2 keeps them in `transformer.h`, and used to stop with
+    'no decoder layers found to shard'."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from agentrl.trainer.distributed import decoder_layers
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=2))
+    assert decoder_layers(gpt2) == list(gpt2.transformer.h)
+    llama = small_llama()
+    assert decoder_layers(llama) == list(llama.model.layers)
+    assert decoder_layers(ValueModel(small_llama().get_decoder()))[0].__class__.__name__ == "LlamaDecoderLayer"
+    adapted = lora_model()
+    assert decoder_layers(adapted) == list(adapted.base_model.model.model.layers)

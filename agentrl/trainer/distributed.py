@@ -76,7 +76,13 @@ def init_process_group(ranks: Ranks, address: str, port: int, device_type: str, 
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a transformers model (the first ModuleList named '...layers')."""
+    """The repeated blocks of a transformers model: the modules of the classes its
+    `_no_split_modules` names (GPT-2's `transformer.h`, MPT's `blocks`), else the first ModuleList
+    named '...layers'."""
+    kinds = {kind for module in model.modules() for kind in (getattr(module, "_no_split_modules", None) or ())}
+    blocks = [module for module in model.modules() if type(module).__name__ in kinds]
+    if blocks:
+        return blocks
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and name.endswith("layers"):
             return list(module)
