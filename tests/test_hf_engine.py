@@ -295,6 +295,28 @@ def test_generate_does_not_wait_for_the_event_loops_executor(tiny_model):
     assert engine.wait_idle(10) and not engine.serving
 
 
+def test_requests_made_together_fail_together_when_no_decode_thread_starts(tiny_model, monkeypatch):
+    """Every request queued for the thread that could not start gets the error (they used to wait
+    with no thread coming), and the next request starts one."""
+    import threading
+
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    original = threading.Thread.start
+
+    def refuse(thread):
+        monkeypatch.setattr(threading.Thread, "start", original)  # once
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+
+    async def together():
+        asks = [engine.generate(PROMPTS[i % 2], greedy(3)) for i in range(3)]
+        return await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), timeout=10)
+
+    assert [repr(r) for r in asyncio.run(together())] == [repr(RuntimeError("can't start new thread"))] * 3
+    assert not engine.serving and len(asyncio.run(engine.generate(PROMPTS[0], greedy(3))).token_ids) == 3
+
+
 def test_a_bad_tensor_in_an_update_copies_none_and_unknown_memory_tags_are_refused(tiny_model):
     """A bad name or shape found after earlier tensors were copied left a mix of old and new
     weights under the old version; a misspelt resume_memory tag left that memory released."""

@@ -382,7 +382,8 @@ def test_a_server_that_never_answers_the_connection_fails_within_timeout_s(monke
 @pytest.fixture
 def loopback_server():
     """A stand-in for SGLang's HTTP server on 127.0.0.1 (SGLang needs a GPU): real sockets, kept
-    alive between requests as SGLang's are. GET answers an empty 200; POST answers `answer["body"]`."""
+    alive between requests as SGLang's are. GET answers an empty 200; POST answers `answer["body"]`,
+    `answer["delay_s"]` late."""
     answer = {"body": json.dumps({"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
                                                                    "output_token_logprobs": [[-0.5, 7, None]]}})}
 
@@ -397,6 +398,7 @@ def loopback_server():
 
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            time.sleep(answer.get("delay_s", 0.0))
             self.reply(answer["body"].encode())
 
         def reply(self, body: bytes):
@@ -468,3 +470,31 @@ def test_each_rollouts_connections_close_with_its_event_loop_and_the_last_in_clo
     finally:
         loop.close()
     assert open_fds(before - 2) == before - 2  # the synchronous client's connection closed too
+
+
+def test_rollouts_in_two_threads_keep_their_own_connections(loopback_server):
+    """Each thread's event loop gets its own client; a loop asking for one used to close the other
+    loop's while its requests were in flight (they failed with ReadError, and a generate that may
+    have reached the server is not sent again)."""
+    import asyncio
+
+    url, answer = loopback_server
+    answer["delay_s"] = 0.1
+    engine = SGLangServerEngine(url, {})
+    results: list = []
+
+    def rollouts() -> None:
+        async def one() -> list:
+            return await asyncio.gather(*(engine.generate([1, 2, 3], SamplingParams(1)) for _ in range(4)),
+                                        return_exceptions=True)
+
+        for _ in range(4):
+            results.extend(asyncio.run(one()))
+
+    threads = [threading.Thread(target=rollouts) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    engine.close()
+    assert [type(r).__name__ for r in results] == ["Completion"] * 32, [r for r in results if isinstance(r, Exception)]

@@ -315,6 +315,12 @@ def test_a_resumed_run_takes_the_recipes_learning_rate_and_refuses_another_model
         "default.weight); resume with the model.path and model.lora settings of the run that wrote it")
     resumed = train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=2", "trainer.lr=5e-2"]))
     assert [h["lr"] for h in resumed] == [pytest.approx(1e-3 / 4), pytest.approx(5e-2 * 2 / 4)]
+    # A damaged checkpoint is no mismatch of settings: its own error stands.
+    shard = next((tmp_path / "run" / "checkpoints" / "step_2" / "policy").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(BaseException) as err:
+        train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=3"]))
+    assert not isinstance(err.value, ConfigError) and "does not fit" not in str(err.value)
 
 
 def test_activation_checkpointing_gives_the_same_update():

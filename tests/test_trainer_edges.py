@@ -467,3 +467,16 @@ def test_fsdp_finds_the_blocks_of_models_that_do_not_call_them_layers():
     assert decoder_layers(ValueModel(small_llama().get_decoder()))[0].__class__.__name__ == "LlamaDecoderLayer"
     adapted = lora_model()
     assert decoder_layers(adapted) == list(adapted.base_model.model.model.layers)
+
+
+def test_fsdp_shards_the_outermost_blocks_when_the_list_names_nested_ones():
+    """MBart's list also names its attention, inside each decoder layer: sharding both, parent
+    first, broke the forward pass."""
+    from transformers import MBartConfig, MBartForCausalLM
+
+    from agentrl.trainer.distributed import decoder_layers
+
+    mbart = MBartForCausalLM(MBartConfig(vocab_size=64, d_model=32, decoder_layers=2, decoder_attention_heads=2,
+                                         decoder_ffn_dim=64, encoder_layers=1))
+    assert "MBartAttention" in mbart._no_split_modules
+    assert decoder_layers(mbart) == list(mbart.model.decoder.layers)

@@ -73,20 +73,19 @@ class HFEngine:
             # Started once this turn of the loop is over, so that the requests its other tasks make
             # meanwhile (a group of episodes starting together) queue first and decode as one batch:
             # how requests batch decides the order they draw from the sampling RNG.
-            loop.call_soon(self._start_decode_thread, request)
+            loop.call_soon(self._start_decode_thread)
         return await request.future
 
-    def _start_decode_thread(self, request: Request) -> None:
+    def _start_decode_thread(self) -> None:
         """A thread of its own, not the loop's executor: tool calls that timed out keep their
         executor slots, and a decode queued behind them would leave every request waiting. Not a
         daemon: the interpreter waits for it at exit (it stops once no request waits), since a
         process that exits while it is still inside torch can abort in torch's C++ teardown."""
         try:
             threading.Thread(target=self._serve, name="agentrl-decode").start()
-        except BaseException as e:  # no thread: the request that asked for one fails, the next one asks again
-            self._pending.stopped()
-            if not request.future.done():
-                request.future.set_exception(e)
+        except Exception as e:  # no thread: every waiting request fails, and the next one asks again
+            for waiting in self._pending.abandon():
+                waiting.future.get_loop().call_soon_threadsafe(resolve, waiting.future, e)
 
     def _serve(self) -> None:
         """The decode thread: one running batch after another until no request waits."""

@@ -95,6 +95,13 @@ class PendingRequests:
             self._serving = False
             self._stopped.notify_all()
 
+    def abandon(self) -> list[Request]:
+        """No decode thread could start: every waiting request, taken out for its caller to fail."""
+        with self._lock:
+            requests, self._requests, self._serving = self._requests, [], False
+            self._stopped.notify_all()
+        return requests
+
     @property
     def serving(self) -> bool:
         with self._lock:

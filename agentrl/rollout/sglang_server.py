@@ -4,9 +4,9 @@ The same protocol as the in-process engine, through SGLang's routes: /generate (
 output_ids and logprobs out), /update_weights_from_tensor or /update_weights_from_disk, /flush_cache,
 /release_memory_occupation, /resume_memory_occupation and /health_generate. Every request has a
 timeout; one that cannot reach the server is retried with backoff (one that timed out waiting for
-its answer is not: it may still be running there), and if it still fails the error
-names the URL, the route and the cause (with the launched server's exit code and log tail), so a
-dead server stops the run instead of hanging it.
+its answer is not: it may still be running there), and if it still fails the error names the URL,
+the route and the cause (and the launched server's exit code and log tail): a dead server stops
+the run instead of hanging it.
 
 Weights go by where the server is and where the tensors are (`weight_transfer="auto"`):
 - CUDA tensors, loopback server: /update_weights_from_tensor with pickled CUDA IPC handles, as
@@ -32,6 +32,7 @@ import pickle
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Literal, TypeVar
@@ -118,7 +119,8 @@ class SGLangServerEngine:
         self.stats = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._regions = ReleasedRegions()
         self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
-        self._async: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient, AsyncIterator[None]] | None = None
+        self._clients: dict[asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, AsyncIterator[None]]] = {}
+        self._clients_lock = threading.Lock()  # loops in several threads may ask for theirs (_async_client)
         self.check_health()
 
     def _failure(self, route: str, cause: str) -> RuntimeError:
@@ -162,34 +164,37 @@ class SGLangServerEngine:
         self._send("GET", "/health_generate", None, timeout=min(self.timeout_s, 60.0))
 
     async def _async_client(self) -> httpx.AsyncClient:
-        """One client per event loop (each rollout runs in an event loop of its own), closed in its
-        loop when the loop ends: the client lives in an async generator, and asyncio.run (and
-        run_with_daemon_threads) closes a loop's async generators before the loop. Left unclosed,
-        every rollout's connections stayed open (a socket each) for as long as the engine lived."""
+        """This event loop's client (each rollout has a loop of its own; loops in other threads may
+        use the engine meanwhile), closed in its loop at the loop's end: it lives in an async
+        generator, which asyncio.run (and run_with_daemon_threads) closes before the loop. Left
+        unclosed, every rollout's connections stayed open for as long as the engine lived."""
         loop = asyncio.get_running_loop()
-        if self._async is None or self._async[0] is not loop:
-            self._close_async_client()
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits)
-            lifetime = _closed_at_loop_end(client)
-            self._async = (loop, client, lifetime)
-            await anext(lifetime)  # the running loop now holds it among its async generators
-        return self._async[1]
+        with self._clients_lock:
+            for gone in [other for other in self._clients if other.is_closed()]:
+                del self._clients[gone]  # closed by its loop's end (without asyncio.run's: by the GC)
+            entry = self._clients.get(loop)
+            fresh = entry is None
+            if fresh:
+                limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+                client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits)
+                entry = self._clients[loop] = (client, _closed_at_loop_end(client))
+        if fresh:  # no await before this: no other request of this loop sees the client unstarted
+            await anext(entry[1])  # the running loop now holds it among its async generators
+        return entry[0]
 
-    def _close_async_client(self) -> None:
-        """Close the last loop's client if its loop did not: one still running (a server's), or
-        one stopped without asyncio.run's shutdown."""
-        if self._async is None:
-            return
-        loop, _, lifetime = self._async
-        self._async = None
-        if loop.is_running():
-            asyncio.run_coroutine_threadsafe(lifetime.aclose(), loop)  # type: ignore[attr-defined]
-        elif not loop.is_closed():
-            try:
-                loop.run_until_complete(lifetime.aclose())  # type: ignore[attr-defined]
-            except RuntimeError:  # another loop runs in this thread: the old one closes it once freed
-                pass
+    def _close_async_clients(self) -> None:
+        """Close the clients whose loops have not ended: on their own loop, never under a request
+        of another loop's (a loop running elsewhere gets the close to run itself)."""
+        with self._clients_lock:
+            entries, self._clients = list(self._clients.items()), {}
+        for loop, (_, lifetime) in entries:
+            if loop.is_running():
+                asyncio.run_coroutine_threadsafe(lifetime.aclose(), loop)  # type: ignore[attr-defined]
+            elif not loop.is_closed():
+                try:
+                    loop.run_until_complete(lifetime.aclose())  # type: ignore[attr-defined]
+                except RuntimeError:  # another loop runs in this thread: the GC closes its sockets
+                    pass
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
         if not token_ids:
@@ -288,7 +293,7 @@ class SGLangServerEngine:
 
     def close(self) -> None:
         self._client.close()
-        self._close_async_client()
+        self._close_async_clients()
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
         if self.process is not None:

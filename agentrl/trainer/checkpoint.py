@@ -168,10 +168,11 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
     except (Exception, CheckpointException) as e:  # its text holds tracebacks; the first missing key or size says it
-        found = re.search(r"Missing key in checkpoint state_dict: [\w.]+|Size mismatch[^\n]*|size mismatch[^\n]*", str(e))
-        reason = found.group(0).rstrip(".") if found else (str(e).splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{path}: the checkpoint does not fit this run's model ({reason}); resume with the "
-                          "model.path and model.lora settings of the run that wrote it") from None
+        found = re.search(r"Missing key in checkpoint state_dict: [\w.]+|[Ss]ize mismatch[^\n]*", str(e))
+        if found is None:  # not a mismatch (a damaged file, a full disk): the error as it is
+            raise
+        raise ConfigError(f"{path}: the checkpoint does not fit this run's model ({found.group(0).rstrip('.')}); "
+                          "resume with the model.path and model.lora settings of the run that wrote it") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     for group, configured in zip(optimizer.param_groups, settings):
         group.update(configured)

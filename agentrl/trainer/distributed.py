@@ -76,13 +76,17 @@ def init_process_group(ranks: Ranks, address: str, port: int, device_type: str, 
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a transformers model: the modules of the classes its
-    `_no_split_modules` names (GPT-2's `transformer.h`, MPT's `blocks`), else the first ModuleList
-    named '...layers'."""
+    """The repeated blocks of a transformers model: the outermost modules of the classes its
+    `_no_split_modules` names (GPT-2's `transformer.h`, MPT's `blocks`; some lists also name a
+    block's attention, which its block's sharding covers), else the first ModuleList named
+    '...layers'."""
     kinds = {kind for module in model.modules() for kind in (getattr(module, "_no_split_modules", None) or ())}
-    blocks = [module for module in model.modules() if type(module).__name__ in kinds]
+    blocks: dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in kinds and not any(name.startswith(f"{outer}.") for outer in blocks):
+            blocks[name] = module
     if blocks:
-        return blocks
+        return list(blocks.values())
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and name.endswith("layers"):
             return list(module)
