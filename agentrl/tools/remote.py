@@ -263,4 +263,6 @@ def _start(content: bytes | str) -> str:
 def _detail(content: bytes) -> str:
     """The server's `detail` (FastAPI's error body), else the start of whatever a proxy answered."""
     body = _json(content)
-    return str(body["detail"]) if isinstance(body, dict) and "detail" in body else content.decode(errors="replace")[:200]
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"])
+    return content.decode(errors="replace")[:200]

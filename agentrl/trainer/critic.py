@@ -100,8 +100,8 @@ def check_critic_path(path: str) -> None:
 class CriticWorker:
     """The value model, its optimiser, and the clipped value-loss update."""
 
-    def __init__(self, model: ValueModel, pad_id: int, *, lr: float, value_clip: float | None, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, ppo_epochs: int = 1, mini_batches: int = 1,
+    def __init__(self, model: ValueModel, pad_id: int, *, lr: float, value_clip: float | None,
+                 weight_decay: float = 0.0, grad_clip: float = 1.0, ppo_epochs: int = 1, mini_batches: int = 1,
                  micro_batch_tokens: int = 4096, bf16_autocast: bool = False, seed: int = 0,
                  ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None):
         self.ranks = ranks

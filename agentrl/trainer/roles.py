@@ -74,10 +74,10 @@ def make_critic(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> Cr
     if t.activation_checkpointing:
         enable_activation_checkpointing(value_model.decoder)
     compute = _compute(config, ranks)
-    return CriticWorker(value_model, pad_id, lr=c.lr, weight_decay=c.weight_decay, value_clip=c.value_clip, grad_clip=t.grad_clip,
-                        ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches, micro_batch_tokens=t.micro_batch_tokens,
-                        bf16_autocast=compute["bf16_autocast"], seed=config.seed, ranks=ranks,
-                        param_dtype=compute["param_dtype"])
+    return CriticWorker(value_model, pad_id, lr=c.lr, weight_decay=c.weight_decay, value_clip=c.value_clip,
+                        grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
+                        micro_batch_tokens=t.micro_batch_tokens, bf16_autocast=compute["bf16_autocast"],
+                        seed=config.seed, ranks=ranks, param_dtype=compute["param_dtype"])
 
 
 class Roles:
