@@ -37,9 +37,10 @@ def check_training(config: RecipeConfig) -> None:
     if t.mini_batches > episodes:
         raise ConfigError(f"trainer.mini_batches ({t.mini_batches}) is more than the episodes of a step "
                           f"(rollout.group_size × trainer.tasks_per_step = {episodes})")
-    if t.resume == "auto" and t.save_every == 0:
-        raise ConfigError("trainer.resume 'auto' continues from the newest checkpoint, and trainer.save_every 0 "
-                          "writes none: a relaunch would start over; set trainer.save_every above 0")
+    if t.resume == "auto" and not 0 < t.save_every <= t.steps:
+        raise ConfigError(f"trainer.resume 'auto' continues from the newest checkpoint, and trainer.save_every "
+                          f"{t.save_every} writes none in {t.steps} steps: a relaunch would start over; set "
+                          "trainer.save_every between 1 and trainer.steps")
     if a.kl_in_reward and a.kl_coef == 0:
         raise ConfigError("algorithm.kl_in_reward needs algorithm.kl_coef > 0")
     if t.backend == "local" and (t.world_size > 1 or t.engine_replicas > 1):

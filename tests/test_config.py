@@ -110,7 +110,10 @@ def test_gsm8k_recipe_header_overrides_make_a_cpu_run():
                                   "(rollout.group_size × trainer.tasks_per_step = 32)"),
     (["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward needs algorithm.kl_coef > 0"),
     (["trainer.resume=auto"], "trainer.resume 'auto' continues from the newest checkpoint, and trainer.save_every 0 "
-                              "writes none: a relaunch would start over; set trainer.save_every above 0"),
+                              "writes none in 10 steps: a relaunch would start over; set trainer.save_every "
+                              "between 1 and trainer.steps"),
+    (["trainer.resume=auto", "trainer.save_every=20"], "trainer.resume 'auto' continues from the newest checkpoint, "
+                                                       "and trainer.save_every 20 writes none in 10 steps"),
 ])
 def test_train_rejects_groups_it_cannot_learn_from_when_the_recipe_loads(overrides, message):
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", *overrides],
