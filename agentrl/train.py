@@ -165,9 +165,8 @@ def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
     for name in found + steps:
         os.replace(run_dir / name, previous / name)
     listed = ", ".join(found + ([f"{len(steps)} step_N/"] if steps else []))
-    print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous}"
-          + (" (trainer.resume=auto continues a run instead)" if not resuming else " (it had no checkpoint to resume)"),
-          file=sys.stderr)
+    hint = "it had no checkpoint to resume" if resuming else "trainer.resume=auto continues a run instead"
+    print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous} ({hint})", file=sys.stderr)
 
 
 def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Path) -> list[dict[str, float]]:

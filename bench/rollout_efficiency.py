@@ -193,7 +193,10 @@ def main() -> None:
     warm = run_loop(engine, tokenizer, [calculator], tasks, args.group, settings)
     run_plain(engine, tokenizer, tasks, args.group, warm["per_episode"], settings)
     rounds = [one_round(engine, tokenizer, tasks, args, settings) for _ in range(args.rounds)]
-    spread = lambda i: f"{statistics.median(r[i] for r in rounds):.2f} (range {min(r[i] for r in rounds):.2f}-{max(r[i] for r in rounds):.2f})"  # noqa: E501,E731
+    def spread(i: int) -> str:
+        values = [r[i] for r in rounds]
+        return f"{statistics.median(values):.2f} (range {min(values):.2f}-{max(values):.2f})"
+
     print(f"median over {args.rounds} rounds: loop/plain {spread(0)}, loop/plain-even {spread(1)}, "
           f"delayed/instant {spread(2)}, tool delay hidden {statistics.median(r[3] for r in rounds):.0%}")
 

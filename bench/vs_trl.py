@@ -2,10 +2,11 @@
 
 Workload, identical on both sides: SmolLM2-135M-Instruct, full fine-tuning, in float32 (with
 --dtype bfloat16 the sides differ: agentrl's engine holds bf16 weights and its trainer runs bf16
-autocast; TRL's bf16 flag runs autocast over float32 weights throughout), the same generated arithmetic prompts rendered by the same chat
-template, --prompts × --group completions per step (default 4 × 4), at most --max-new-tokens new
-tokens (default 32) at temperature 1, the same exact-answer reward, no KL term (beta 0), one AdamW step per batch
-(lr 1e-6, grad clip 1.0), clip 0.2, token-mean loss. A step is generation + logprobs + update
+autocast; TRL's bf16 flag runs autocast over float32 weights throughout), the same generated
+arithmetic prompts rendered by the same chat template, --prompts × --group completions per step
+(default 4 × 4), at most --max-new-tokens new tokens (default 32) at temperature 1, the same
+exact-answer reward, no KL term (beta 0), one AdamW step per batch (lr 1e-6, grad clip 1.0), clip
+0.2, token-mean loss. A step is generation + logprobs + update
 (+ weight sync into the engine, for agentrl). The first step of each side is a warm-up and is not
 counted.
 
