@@ -192,7 +192,9 @@ class AlgorithmConfig(_Section):
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (DAPO clip-higher: larger).")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound for negative advantages (null: off).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference model (0: no reference).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator (Schulman's k1, k2, k3). In the loss, k2 or k3: k1's gradient there is "
+                          "zero in expectation, so it is refused unless kl_in_reward.")
     kl_in_reward: bool = Field(False, description="Apply the KL as a per-token reward penalty, not a loss term.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
 

@@ -43,6 +43,12 @@ def check_training(config: RecipeConfig) -> None:
                           "trainer.save_every between 1 and trainer.steps")
     if a.kl_in_reward and a.kl_coef == 0:
         raise ConfigError("algorithm.kl_in_reward needs algorithm.kl_coef > 0")
+    if a.kl_coef > 0 and not a.kl_in_reward and a.kl_estimator == "k1":
+        # d/dθ of log π(a) - log π_ref(a) is the score ∇log π(a), whose mean over the policy's own
+        # samples is 0: as a loss term k1 adds noise and never pulls towards the reference.
+        raise ConfigError("algorithm.kl_estimator 'k1' as a loss term (algorithm.kl_in_reward false) has a gradient "
+                          "of zero in expectation, so the KL penalty would do nothing: use 'k2' or 'k3' in the loss, "
+                          "or k1 with algorithm.kl_in_reward true")
     if t.backend == "local" and (t.world_size > 1 or t.engine_replicas > 1):
         raise ConfigError(f"trainer.world_size ({t.world_size}) and trainer.engine_replicas ({t.engine_replicas}) "
                           "above 1 need trainer.backend 'ray'")

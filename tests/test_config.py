@@ -109,6 +109,8 @@ def test_gsm8k_recipe_header_overrides_make_a_cpu_run():
     (["trainer.mini_batches=64"], "trainer.mini_batches (64) is more than the episodes of a step "
                                   "(rollout.group_size × trainer.tasks_per_step = 32)"),
     (["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward needs algorithm.kl_coef > 0"),
+    (["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1"],
+     "algorithm.kl_estimator 'k1' as a loss term (algorithm.kl_in_reward false) has a gradient of zero in expectation"),
     (["trainer.resume=auto"], "trainer.resume 'auto' continues from the newest checkpoint, and trainer.save_every 0 "
                               "writes none in 10 steps: a relaunch would start over; set trainer.save_every "
                               "between 1 and trainer.steps"),
