@@ -21,10 +21,14 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+import jinja2
+
 from agentrl.tools.base import Tool
 from agentrl.tools.parsers import ParsedTurn
 
-_MARK = "\U000f8ff0"  # a private-use character: where a literal content goes in a second rendering
+# Private-use characters, one of which marks where a literal content goes in a second rendering:
+# the first that the rendering does not already hold (a client may send any character).
+_MARKS = [chr(c) for c in range(0xF8FF0, 0xF9000)]
 _FALLBACK_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 
@@ -66,17 +70,21 @@ class ChatRenderer:
         Where each such content sits is found by rendering again (`remake` makes `text` from other
         messages) with a marker in its place, never by searching for the content, which could match
         the template's own tokens first (a prompt that is just `<|im_start|>`)."""
+        special = [m for m in messages if m.get("role") != "system" and isinstance(m.get("content"), str)
+                   and any(t in m["content"] for t in self.special_texts)]
+        if not special:
+            return self.encode(text)
+        mark = next((m for m in _MARKS if m not in text), None)
+        if mark is None:
+            raise TemplateError("a message contains a special token's text, and every marker character that "
+                                "would keep it as text occurs in the conversation")
         marked, literals = [], []
         for message in messages:
-            content = message.get("content")
-            if message.get("role") != "system" and isinstance(content, str) and \
-                    any(t in content for t in self.special_texts):
-                message = {**message, "content": f"{_MARK}{len(literals)}{_MARK}"}
-                literals.append(content)
+            if any(message is m for m in special):
+                literals.append(message["content"])
+                message = {**message, "content": f"{mark}{len(literals) - 1}{mark}"}
             marked.append(message)
-        if not literals:
-            return self.encode(text)
-        pieces = remake(marked).split(_MARK)  # text, index, text, index, ..., text
+        pieces = remake(marked).split(mark)  # text, index, text, index, ..., text
         indices = pieces[1::2]
         if indices != [str(i) for i in range(len(literals))] or \
                 "".join(p if i % 2 == 0 else literals[i // 2] for i, p in enumerate(pieces)) != text:
@@ -109,7 +117,11 @@ class ChatRenderer:
                            {"role": "assistant", "content": text}]
         sampled = self.render_text(history, add_generation_prompt=True) + self.decode(turn_ids)
         for candidate in candidates:
-            if self.render_text(history + [candidate], add_generation_prompt=False).startswith(sampled):
+            try:
+                rendered = self.render_text(history + [candidate], add_generation_prompt=False)
+            except jinja2.TemplateError:  # a template that refuses the reply here (roles must alternate)
+                continue
+            if rendered.startswith(sampled):
                 return candidate, True
         return candidates[0], False
 

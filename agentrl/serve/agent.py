@@ -13,17 +13,18 @@ not used: the reward function sees the recorded messages, which end with the mod
 
 AgentRunner has EpisodeRunner's interface (`await run(task, group_id) -> Trajectory`, `.engine`,
 `.renderer`), so collect.py and the training driver use it unchanged. It starts the endpoint once,
-on 127.0.0.1, on a daemon thread (server.py says why), and gives every episode a fresh session.
+on 127.0.0.1, on a daemon thread (server.py says why), and opens a fresh session for every
+episode; a request naming another session id (one whose episode has ended, say) is refused.
 The trajectory is the session's last segment (sessions.py says why), with `segments`,
 `history_rewrites` and `dropped_generated_tokens` in its metrics; sampling is the recipe's and each
 session has `rollout.max_turns` turns and `rollout.max_context_tokens` tokens. Finish: that of the
 last sampled turn (`stop`, `length`); `max_turns` or `length` when the endpoint refused a request
-at a limit (the agent's exception from that refusal ends the episode normally); `error` for any
-other exception (`SystemExit` too), for an agent still running after `rollout.agent_timeout_s`
-(cancelled; what it recorded is kept), or when the agent made no request with its session. An
-episode refused before its first turn (a prompt longer than `rollout.max_context_tokens`) records
-what the builtin loop records for it: the task's prompt, rendered, nothing trainable, finish
-`length`.
+at a limit (the agent's exception from that refusal ends the episode normally; `from_refusal`
+tells it from others); `error` for any other exception (`SystemExit` too), for an agent still
+running after `rollout.agent_timeout_s` (cancelled; what it recorded is kept), or when the agent
+made no request with its session. An episode refused before its first turn (a prompt longer than
+`rollout.max_context_tokens`) records what the builtin loop records for it: the task's prompt,
+rendered, nothing trainable, finish `length`.
 
 This module does not sample, interpret turns or record (service.py and sessions.py do).
 """
@@ -49,7 +50,7 @@ from agentrl.rollout.episode import EpisodeSettings, outcome_reward
 from agentrl.serve.app import create_app
 from agentrl.serve.protocol import SESSION_HEADER
 from agentrl.serve.server import BackgroundServer, serve_settings
-from agentrl.serve.service import ChatService
+from agentrl.serve.service import REFUSAL_CODES, ChatService
 from agentrl.serve.sessions import Session, to_trajectory
 from agentrl.tools.base import Tool
 from agentrl.tools.loader import resolve_reference
@@ -174,6 +175,9 @@ class AgentRunner:
         traj.metrics["generated_tokens"] = float(traj.num_generated)
         return traj
 
+    async def _open(self, session_id: str) -> None:
+        self.service.sessions.open(session_id)  # on the server's loop, where sessions live
+
     async def _run(self, task: Task, group_id: str) -> Trajectory:
         s, server, session_id = self.settings, self.server, uuid.uuid4().hex
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
@@ -182,6 +186,7 @@ class AgentRunner:
                            s.system_prompt, env, self.service.parser)
         failure: Exception | None = None
         try:  # from here on, whatever happens (a cancellation while the tools start too), they are released
+            await asyncio.wrap_future(server.submit(self._open(session_id)))
             await env.start(session_id, task)
             # call_plugin: a sys.exit() in it fails this episode, not the run; so does a hang
             await call_plugin(self.agent(ctx, task), s.agent_timeout_s, f"the agent function "
@@ -199,7 +204,7 @@ class AgentRunner:
         traj.weight_version = traj.weight_version if session.segments else self.engine.weight_version
         traj.metrics = {**env.metrics, **traj.metrics,
                         "parse_errors": env.metrics["parse_errors"] + traj.metrics["parse_errors"]}
-        if failure is not None and session.refused is None:
+        if failure is not None and not (session.refused and from_refusal(failure, REFUSAL_CODES[session.refused])):
             traj.finish, traj.error = "error", failure_text(failure)
             return traj
         if not session.segments and session.refused is None:
@@ -216,3 +221,22 @@ class AgentRunner:
         traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(env.step_rewards),
                              "tool_final_reward": tool_final})
         return traj
+
+
+def from_refusal(failure: BaseException, code: str) -> bool:
+    """Whether an agent's exception is the endpoint's refusal with error `code`, or was raised from
+    or while handling it: an openai `APIStatusError` carries the code, an httpx `HTTPStatusError`
+    its response's body, and a framework's own error usually its text."""
+    seen: set[int] = set()
+    error: BaseException | None = failure
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if getattr(error, "code", None) == code or code in str(error):
+            return True
+        try:
+            if code in error.response.text:  # type: ignore[attr-defined]
+                return True
+        except Exception:  # no response, or one whose body was not read
+            pass
+        error = error.__cause__ or error.__context__
+    return False

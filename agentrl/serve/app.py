@@ -81,14 +81,14 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
         return JSONResponse({"object": "list", "data": [
             {"id": service.settings.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}]})
 
-    @app.get("/agentrl/sessions/{session_id}")
+    @app.get("/agentrl/sessions/{session_id:path}")
     async def get_session(session_id: str) -> JSONResponse:
         session = service.sessions.get(session_id)
         if session is None:
             raise RequestError(f"no session '{session_id}'", 404, "not_found")
         return JSONResponse(session_json(session))
 
-    @app.delete("/agentrl/sessions/{session_id}")
+    @app.delete("/agentrl/sessions/{session_id:path}")
     async def delete_session(session_id: str) -> JSONResponse:
         session = await service.sessions.pop(session_id)
         if session is None:

@@ -35,11 +35,15 @@ T = TypeVar("T")
 
 def serve_settings(settings: EpisodeSettings, model_name: str, for_training: bool) -> ServeSettings:
     """The endpoint's limits from the recipe's episode settings. For training (agent episodes) the
-    recipe's sampling is fixed and `max_turns` caps each session; `agentrl serve` only takes defaults."""
+    recipe's sampling is fixed, `max_turns` caps each session and only sessions the runner opened
+    are served; `agentrl serve` only takes defaults."""
     return ServeSettings(model_name=model_name, max_context_tokens=settings.max_context_tokens,
                          max_new_tokens=settings.max_new_tokens_per_turn, temperature=settings.temperature,
                          top_p=settings.top_p, fixed_sampling=for_training,
-                         max_turns=settings.max_turns if for_training else None)
+                         max_turns=settings.max_turns if for_training else None,
+                         # an episode trains on its last segment only, and its session is opened for it
+                         max_segments=1 if for_training else ServeSettings.max_segments,
+                         open_sessions_only=for_training)
 
 
 def bind(host: str, port: int) -> socket.socket:

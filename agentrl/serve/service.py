@@ -41,6 +41,10 @@ from agentrl.tools.parsers import ParsedTurn
 from agentrl.types import Completion, SamplingParams
 
 
+# The error code of a request refused at a limit, by the finish it gives an agent episode.
+REFUSAL_CODES = {"max_turns": "session_turn_limit", "length": "context_length_exceeded"}
+
+
 @dataclass
 class ServeSettings:
     model_name: str = "policy"  # what /v1/models lists and responses name
@@ -51,6 +55,8 @@ class ServeSettings:
     fixed_sampling: bool = False  # the recipe's sampling wins over the request's
     max_turns: int | None = None  # sampled turns per session; None: no limit
     max_sessions: int = 10_000
+    max_segments: int = 8  # segments a session keeps the records of (sessions.py)
+    open_sessions_only: bool = False  # a session id must have been opened (agent episodes); else any id starts one
 
 
 @contextmanager
@@ -81,7 +87,7 @@ class ChatService:
         self.tokenizer = tokenizer
         self.parser = parser
         self.settings = settings
-        self.sessions = SessionStore(settings.max_sessions)
+        self.sessions = SessionStore(settings.max_sessions, settings.max_segments)
         self.stop_ids = stop_token_ids(tokenizer)
 
     def renderer(self, tools: list[dict[str, Any]] | None) -> ChatRenderer:
@@ -98,12 +104,18 @@ class ChatService:
             completion = await self._generate(ids, self._sampling(request, len(ids), None))
             turn = self._interpret(renderer, messages, completion)
             return self._response(request, turn.reply, completion, len(ids), renderer)
-        session = self.sessions.get_or_create(session_id)
+        if self.settings.open_sessions_only:
+            session = self.sessions.get(session_id)
+            if session is None:
+                raise RequestError(f"session '{session_id}' is not open: its episode has ended (or never began)",
+                                   code="session_closed")
+        else:
+            session = self.sessions.get_or_create(session_id)
         async with session.lock:
             if self.settings.max_turns is not None and session.turns >= self.settings.max_turns:
                 session.refused = "max_turns"
                 raise RequestError(f"session '{session_id}' has used its {self.settings.max_turns} turns "
-                                   f"(rollout.max_turns)", code="session_turn_limit")
+                                   f"(rollout.max_turns)", code=REFUSAL_CODES["max_turns"])
             with rendering_errors():
                 plan = plan_turn(session, renderer, messages, tools)
             completion = await self._generate(plan.prompt_ids, self._sampling(request, len(plan.prompt_ids), session))
@@ -119,7 +131,7 @@ class ChatService:
             if session is not None:
                 session.refused = "length"
             raise RequestError(f"the conversation is {prompt_len} tokens, which leaves no room for a reply within "
-                               f"max_context_tokens={s.max_context_tokens}", code="context_length_exceeded")
+                               f"max_context_tokens={s.max_context_tokens}", code=REFUSAL_CODES["length"])
         asked = request.max_new_tokens
         if s.fixed_sampling:
             budget, temperature, top_p = min(asked or s.max_new_tokens, s.max_new_tokens), s.temperature, s.top_p

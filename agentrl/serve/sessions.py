@@ -19,7 +19,10 @@ Each segment is a Trajectory, whose `append` keeps ids, mask and logprobs aligne
 segment the mask-1 tokens are exactly the sampled ones. A session's trajectory (to_trajectory) is
 its last segment: concatenating segments would train later tokens on a context they were not
 sampled in (a flat causal sequence lets them attend to the earlier segment), so earlier segments
-are left out and their sampled tokens counted in `dropped_generated_tokens`.
+are left out and their sampled tokens counted in `dropped_generated_tokens`. A session keeps the
+records of its last `max_segments` segments only (a client that starts a new conversation on every
+request under one `user` would otherwise grow it without bound); older ones are forgotten, their
+counts kept.
 
 This module does not sample, parse calls or speak HTTP: service.py plans a turn here, samples it,
 and commits it here.
@@ -60,13 +63,25 @@ class Session:
     template_fallbacks: int = 0
     parse_errors: int = 0
     refused: Literal["max_turns", "length"] | None = None  # a limit refused a request after the last sampled turn
+    max_segments: int = 8  # segments whose records are kept; older ones are forgotten
+    forgotten_segments: int = 0
+    forgotten_generated_tokens: int = 0
 
     def metrics(self) -> dict[str, float]:
         last = self.segments[-1] if self.segments else None
+        segments = len(self.segments) + self.forgotten_segments
+        dropped = sum(s.record.num_generated for s in self.segments[:-1]) + self.forgotten_generated_tokens
         return {"turns": float(last.turns if last else 0), "session_turns": float(self.turns),
-                "segments": float(len(self.segments)), "history_rewrites": float(max(len(self.segments) - 1, 0)),
-                "dropped_generated_tokens": float(sum(s.record.num_generated for s in self.segments[:-1])),
+                "segments": float(segments), "history_rewrites": float(max(segments - 1, 0)),
+                "dropped_generated_tokens": float(dropped),
                 "template_fallbacks": float(self.template_fallbacks), "parse_errors": float(self.parse_errors)}
+
+    def start_segment(self, segment: Segment) -> None:
+        self.segments.append(segment)
+        while len(self.segments) > self.max_segments:
+            forgotten = self.segments.pop(0)
+            self.forgotten_segments += 1
+            self.forgotten_generated_tokens += forgotten.record.num_generated
 
 
 @dataclass
@@ -118,7 +133,7 @@ def commit_turn(session: Session, plan: TurnPlan, completion: Completion, record
     if segment is None:
         segment = Segment(Trajectory(task_id=session.id, group_id=session.id,
                                      weight_version=completion.weight_version), plan.tools)
-        session.segments.append(segment)
+        session.start_segment(segment)
     elif plan.fell_back and segment.last_exact:  # counted once per turn, as the builtin loop does
         session.template_fallbacks += 1
     record = segment.record
@@ -149,24 +164,25 @@ def to_trajectory(session: Session, task_id: str, group_id: str) -> Trajectory:
 
 
 def session_json(session: Session) -> dict[str, Any]:
-    """Every segment of a session, for `GET /agentrl/sessions/{id}`."""
+    """Every segment a session keeps, for `GET /agentrl/sessions/{id}`."""
     segments = [{"token_ids": s.record.token_ids, "loss_mask": s.record.loss_mask, "logprobs": s.record.logprobs,
                  "messages": s.record.messages, "turns": s.turns, "finish": s.finish,
                  "weight_version": s.record.weight_version} for s in session.segments]
-    return {"id": session.id, "segments": segments, "metrics": session.metrics(), "refused": session.refused}
+    return {"id": session.id, "segments": segments, "forgotten_segments": session.forgotten_segments,
+            "metrics": session.metrics(), "refused": session.refused}
 
 
 class SessionStore:
     """Sessions by id; beyond `max_sessions` the least recently used one is forgotten."""
 
-    def __init__(self, max_sessions: int = 10_000):
-        self.max_sessions = max_sessions
+    def __init__(self, max_sessions: int = 10_000, max_segments: int = 8):
+        self.max_sessions, self.max_segments = max_sessions, max_segments
         self._sessions: OrderedDict[str, Session] = OrderedDict()
 
     def get_or_create(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
-            session = self._sessions[session_id] = Session(session_id)
+            session = self._sessions[session_id] = Session(session_id, max_segments=self.max_segments)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
@@ -175,10 +191,15 @@ class SessionStore:
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
+    def open(self, session_id: str) -> Session:
+        """A new session under `session_id` (agent episodes open theirs before the agent runs)."""
+        return self.get_or_create(session_id)
+
     async def pop(self, session_id: str) -> Session | None:
-        """Remove a session once no request of it is in flight."""
-        session = self._sessions.get(session_id)
+        """Remove a session at once (a request arriving from now on starts a new one with its id)
+        and return it when the requests already holding it are recorded."""
+        session = self._sessions.pop(session_id, None)
         if session is None:
             return None
-        async with session.lock:
-            return self._sessions.pop(session_id, None)
+        async with session.lock:  # FIFO: taken after every request that got this session before
+            return session

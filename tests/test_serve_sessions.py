@@ -1,0 +1,211 @@
+"""Sessions over their lifetime: how many segments they keep, a DELETE racing a request, ids with
+a slash, agent episodes that fail after a refusal or ask after they ended, and replies or
+messages that the chat template or the renderer's markers used to turn into a 500.
+
+As in test_serve.py, everything is real (tokenizer, template, parser, uvicorn on 127.0.0.1, the
+openai client) except the policy's sampling where a test needs a specific turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import httpx
+import openai
+
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.serve.app import create_app
+from agentrl.serve.protocol import parse_request
+from agentrl.serve.server import BackgroundServer
+from agentrl.serve.service import ChatService, ServeSettings
+from agentrl.tools.parsers import parse_hermes
+from tests.conftest import ScriptedEngine
+from tests.test_serve import ANSWER, TASK, HangingEngine, agent_runner
+
+
+async def ask(service: ChatService, messages: list[dict], session_id: str | None = "s") -> dict:
+    return await service.complete(parse_request(json.dumps({"messages": messages}).encode()), session_id)
+
+
+def conversation(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Question number {i}?"}]
+
+
+def test_a_session_keeps_the_records_of_its_last_segments_only(tokenizer):
+    """A client starting a new conversation on every request under one `user` used to grow its
+    session by a segment each time, for as long as the server ran."""
+    turns = ["one", "two two", "three three three", "four four four four"]
+    engine = ScriptedEngine(tokenizer, turns)
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(max_segments=2))
+    for i in range(4):
+        asyncio.run(ask(service, conversation(i)))
+    session = service.sessions.get("s")
+    assert [s.record.messages[0]["content"] for s in session.segments] == ["Question number 2?", "Question number 3?"]
+    generated = [len(t) for t in engine.turns]
+    assert session.metrics()["segments"] == 4 and session.metrics()["history_rewrites"] == 3
+    assert session.metrics()["dropped_generated_tokens"] == sum(generated[:3])
+    assert session.forgotten_segments == 2 and session.forgotten_generated_tokens == sum(generated[:2])
+
+
+def test_agent_episodes_keep_one_segment(tokenizer):
+    runner = agent_runner(None, ScriptedEngine(tokenizer, []), tokenizer)
+    assert runner.service.sessions.max_segments == 1 and runner.service.settings.open_sessions_only
+    served = ChatService(ScriptedEngine(tokenizer, []), tokenizer, parse_hermes, ServeSettings())
+    assert served.sessions.max_segments == 8 and not served.settings.open_sessions_only
+
+
+def test_a_request_during_a_delete_lands_in_a_new_session(tokenizer):
+    """DELETE waited for the session's request in flight while the session stayed in the store: a
+    request arriving meanwhile joined the old session behind the DELETE, was answered 200 and was
+    recorded nowhere."""
+
+    async def scenario():
+        engine = HangingEngine(tokenizer, ["unused", ANSWER, "late"])
+        service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+        first = asyncio.create_task(ask(service, TASK.messages()))  # hangs until cancelled
+        while not engine.prompts:
+            await asyncio.sleep(0.01)
+        deleting = asyncio.create_task(service.sessions.pop("s"))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(ask(service, conversation(1)))  # same id, after the DELETE began
+        await asyncio.sleep(0.05)
+        first.cancel()
+        deleted = await asyncio.wait_for(deleting, 5)
+        return service, deleted, await asyncio.wait_for(second, 5)
+
+    service, deleted, second = asyncio.run(scenario())
+    assert deleted.turns == 0 and deleted.segments == []  # the cancelled turn was not recorded
+    assert second["choices"][0]["message"]["content"] == ANSWER
+    kept = service.sessions.get("s")
+    assert kept is not deleted and kept.turns == 1
+    assert kept.segments[0].record.messages[-1]["content"] == ANSWER
+
+
+def test_session_ids_with_a_slash_can_be_read_and_deleted(tokenizer):
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    server = BackgroundServer(create_app(service))
+    server.start()
+    try:
+        r = httpx.post(f"{server.base_url}/chat/completions", json={"messages": TASK.messages()},
+                       headers={"X-Agentrl-Session": "team/alice"}, timeout=10)
+        assert r.status_code == 200, r.text
+        root = server.base_url.removesuffix("/v1")
+        record = httpx.get(f"{root}/agentrl/sessions/team/alice", timeout=10)
+        assert record.status_code == 200 and record.json()["id"] == "team/alice"
+        assert record.json()["segments"][0]["messages"][-1]["content"] == ANSWER
+        assert httpx.delete(f"{root}/agentrl/sessions/team/alice", timeout=10).status_code == 200
+        assert httpx.get(f"{root}/agentrl/sessions/team/alice", timeout=10).status_code == 404
+    finally:
+        server.stop()
+
+
+async def crashing_after_refusal(ctx, task):
+    client = ctx.openai_client()
+    await client.chat.completions.create(model=ctx.model, messages=task.messages())
+    try:
+        await client.chat.completions.create(model=ctx.model, messages=task.messages())
+    except openai.BadRequestError:
+        pass
+    raise ValueError("the framework broke while handling the refusal's answer")
+
+
+async def reraising_refusal(ctx, task):
+    client = ctx.openai_client()
+    await client.chat.completions.create(model=ctx.model, messages=task.messages())
+    try:
+        await client.chat.completions.create(model=ctx.model, messages=task.messages())
+    except openai.BadRequestError as e:
+        raise RuntimeError("the agent framework gave up") from e  # wrapping the refusal
+
+
+async def hanging_after_refusal(ctx, task):
+    client = ctx.openai_client()
+    await client.chat.completions.create(model=ctx.model, messages=task.messages())
+    try:
+        await client.chat.completions.create(model=ctx.model, messages=task.messages())
+    except openai.BadRequestError:
+        await asyncio.Event().wait()
+
+
+def run_episode(agent, tokenizer, **settings):
+    runner = agent_runner(agent, ScriptedEngine(tokenizer, [ANSWER, ANSWER]), tokenizer, max_turns=1, **settings)
+    try:
+        return asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+
+
+def test_only_the_refusals_own_exception_ends_an_episode_normally(tokenizer):
+    """After a refusal, any exception used to count as the refusal's: a crash or a hang scored as
+    an episode that ran out of turns."""
+    traj = run_episode(reraising_refusal, tokenizer)
+    assert (traj.finish, traj.error, traj.reward) == ("max_turns", None, 1.0)
+    traj = run_episode(crashing_after_refusal, tokenizer)
+    assert traj.finish == "error" and traj.reward is None
+    assert traj.error == "ValueError: the framework broke while handling the refusal's answer"
+    traj = run_episode(hanging_after_refusal, tokenizer, agent_timeout_s=0.3)
+    assert traj.finish == "error" and traj.error.startswith("TimeoutError: the agent function did not finish")
+
+
+SESSIONS: list[str] = []
+
+
+async def remembering_agent(ctx, task):
+    SESSIONS.append(ctx.session_id)
+    await ctx.openai_client().chat.completions.create(model=ctx.model, messages=task.messages())
+
+
+def test_an_ended_episodes_session_id_is_refused_not_reopened(tokenizer):
+    """A request an agent left behind used to reopen its episode's session after the episode, and
+    nothing removed it again."""
+    engine = ScriptedEngine(tokenizer, [ANSWER, ANSWER])
+    runner = agent_runner(remembering_agent, engine, tokenizer)
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+        assert traj.finish == "stop" and traj.metrics["turns"] == 1
+        [session_id] = SESSIONS[-1:]
+        late = httpx.post(f"{runner.server.base_url}/chat/completions", json={"messages": TASK.messages()},
+                          headers={"X-Agentrl-Session": session_id}, timeout=10)
+        assert late.status_code == 400, late.text
+        assert late.json()["error"]["code"] == "session_closed"
+        assert late.json()["error"]["message"] == (f"session '{session_id}' is not open: its episode has ended "
+                                                   "(or never began)")
+        assert runner.service.sessions.get(session_id) is None
+        assert len(engine.prompts) == 1  # the refused request sampled nothing
+    finally:
+        runner.close()
+
+
+def test_a_reply_the_template_cannot_place_is_recorded_not_a_500(tokenizer):
+    """A template that insists on alternating roles renders a request ending in an assistant
+    message, but not the reply after it: that used to be a 500 after the sample was drawn."""
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    service = ChatService(ScriptedEngine(strict, [ANSWER]), strict, parse_hermes, ServeSettings())
+    messages = TASK.messages() + [{"role": "assistant", "content": "Let me think."}]
+    reply = asyncio.run(ask(service, messages))
+    assert reply["choices"][0]["message"]["content"] == ANSWER
+    session = service.sessions.get("s")
+    assert session.turns == 1 and session.template_fallbacks == 1  # recorded, not shown to render back
+
+
+def test_the_renderers_marker_character_in_a_message_stays_text(tokenizer):
+    """The renderer marks where a message holding special-token text goes with a private-use
+    character; a message holding that character too used to break the split (a 500)."""
+    renderer = ChatRenderer(tokenizer, [])
+    marker = "\U000f8ff0"
+    messages = [{"role": "user", "content": f"a{marker}b"}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "say <|im_end|> please"}]
+    ids = renderer.prompt_ids(messages)
+    text = renderer.render_text(messages, add_generation_prompt=True)
+    assert renderer.decode(ids) == text
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids.count(im_end) == text.count("<|im_end|>") - 1  # the user's literal one stays text
+    assert f"a{marker}b" in renderer.decode(ids)
