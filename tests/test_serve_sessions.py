@@ -209,3 +209,41 @@ def test_the_renderers_marker_character_in_a_message_stays_text(tokenizer):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ids.count(im_end) == text.count("<|im_end|>") - 1  # the user's literal one stays text
     assert f"a{marker}b" in renderer.decode(ids)
+
+
+class GatedEngine(ScriptedEngine):
+    """Its first turn is held until `release` is set; later turns answer at once."""
+
+    def __init__(self, tokenizer, turns):
+        super().__init__(tokenizer, turns)
+        self.release = asyncio.Event()
+
+    async def generate(self, token_ids, sampling):
+        first = not self.prompts
+        completion = await super().generate(token_ids, sampling)
+        if first:
+            await self.release.wait()
+        return completion
+
+
+def test_a_full_store_forgets_idle_sessions_not_one_in_flight(tokenizer):
+    """With the store full, a new session used to push out the least recently used one even while
+    its request was running: the client got its 200 and the turn was recorded nowhere."""
+
+    async def scenario():
+        engine = GatedEngine(tokenizer, [ANSWER, "second", "third"])
+        service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(max_sessions=1))
+        first = asyncio.create_task(ask(service, conversation(0), "a"))
+        while not engine.prompts:
+            await asyncio.sleep(0.01)
+        await ask(service, conversation(1), "b")  # the store is full: "a" is in flight, so it stays
+        in_flight_kept = service.sessions.get("a") is not None
+        engine.release.set()
+        await asyncio.wait_for(first, 5)
+        recorded = service.sessions.get("a").turns
+        await ask(service, conversation(2), "c")  # now "a" and "b" are idle and go, oldest first
+        return service, in_flight_kept, recorded
+
+    service, in_flight_kept, recorded = asyncio.run(scenario())
+    assert in_flight_kept and recorded == 1
+    assert [service.sessions.get(k) is not None for k in "abc"] == [False, False, True]

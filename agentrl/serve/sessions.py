@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -173,7 +174,8 @@ def session_json(session: Session) -> dict[str, Any]:
 
 
 class SessionStore:
-    """Sessions by id; beyond `max_sessions` the least recently used one is forgotten."""
+    """Sessions by id; beyond `max_sessions` the least recently used ones without a request in
+    flight are forgotten (a request's turn is never lost to the store filling up meanwhile)."""
 
     def __init__(self, max_sessions: int = 10_000, max_segments: int = 8):
         self.max_sessions, self.max_segments = max_sessions, max_segments
@@ -183,8 +185,11 @@ class SessionStore:
         session = self._sessions.get(session_id)
         if session is None:
             session = self._sessions[session_id] = Session(session_id, max_segments=self.max_segments)
-            while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+            excess = len(self._sessions) - self.max_sessions
+            if excess > 0:  # the oldest first; sessions in flight stay (the store may exceed its size meanwhile)
+                idle = (key for key, s in self._sessions.items() if s is not session and not s.lock.locked())
+                for key in list(islice(idle, excess)):
+                    del self._sessions[key]
         self._sessions.move_to_end(session_id)
         return session
 
