@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from agentrl.env.interaction import Turn
@@ -16,6 +17,8 @@ class GSM8KInteraction:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.max_attempts = max_attempts
+        if not (math.isfinite(tolerance) and tolerance >= 0):  # NaN or < 0 would mark every answer wrong
+            raise ValueError(f"tolerance must be a finite number of at least 0, got {tolerance}")
         self.tolerance = tolerance
         self._truth: float | None = None
         self._attempts = 0

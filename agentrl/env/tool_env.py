@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from agentrl.tools.base import Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
+from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import call_plugin, failure_text
 from agentrl.types import Task, ToolCall
@@ -84,6 +84,9 @@ class ToolEnv:
                              f"Error: not run; at most {self.limits.max_calls_per_turn} tool calls per turn."})
         for error in parsed.errors:
             messages.append({"role": "tool", "name": "parse_error", "content": f"Error: {error}"})
+        for message in messages:  # results, and errors too: an exception's message can be a megabyte
+            message["content"], cut = self.truncate(message["content"])
+            self.metrics["tool_truncations"] += int(cut)
         return messages
 
     async def _run_call(self, call: ToolCall) -> str:
@@ -134,12 +137,12 @@ class ToolEnv:
         return argument_problem(self.tools[call.name], call.arguments)
 
     def _result_text(self, name: str, result: Any) -> str:
-        """A tool's return value as message text within the token budget. A reward or metric that
-        is not a finite number is dropped and counted (tool_invalid_results); the text still goes
-        to the model."""
+        """A tool's return value as message text (run_turn cuts it to the token budget). A metric
+        that is not a finite number, or a reward that is not one within REWARD_LIMIT, is dropped
+        and counted (tool_invalid_results); the text still goes to the model."""
         text = as_text(result.text if isinstance(result, ToolResult) else result)
         if isinstance(result, ToolResult):
-            reward = finite_number(result.reward)
+            reward = finite_number(result.reward, REWARD_LIMIT)
             if result.reward is not None and reward is None:
                 self.metrics["tool_invalid_results"] += 1
             elif reward is not None:
@@ -150,25 +153,34 @@ class ToolEnv:
                     self.metrics["tool_invalid_results"] += 1
                     continue
                 self.metrics[key] = self.metrics.get(key, 0.0) + number
-        text, cut = self.truncate(text)
-        self.metrics["tool_truncations"] += int(cut)
         return text
 
     async def finish(self) -> float:
         """Release every instance; returns the sum of the tools' final rewards. Each instance is
-        released whatever its reward() or another tool's release() did."""
+        released whatever its reward() or another tool's release() did, and when the episode is
+        cancelled meanwhile, the instances not released yet still are before the cancellation
+        goes on."""
         total = 0.0
-        for name, instance_id in self.instance_ids.items():
-            t = self.tools[name]
-            try:
-                reward = await call_plugin(t.reward(instance_id), self.limits.timeout_s, f"the tool '{name}' (reward)")
-                number = finite_number(reward)
-                if reward is not None and number is None:
-                    self.metrics["tool_invalid_results"] += 1
-                total += number or 0.0
-            except Exception:
-                self.metrics["tool_lifecycle_errors"] += 1
-            self.metrics["tool_lifecycle_errors"] += not await self._quietly(t.release(instance_id))
+        pending = list(self.instance_ids.items())
+        try:
+            while pending:
+                name, instance_id = pending[0]
+                t = self.tools[name]
+                try:
+                    reward = await call_plugin(t.reward(instance_id), self.limits.timeout_s,
+                                               f"the tool '{name}' (reward)")
+                    number = finite_number(reward, REWARD_LIMIT)
+                    if reward is not None and number is None:
+                        self.metrics["tool_invalid_results"] += 1
+                    total += number or 0.0
+                except Exception:
+                    self.metrics["tool_lifecycle_errors"] += 1
+                pending.pop(0)  # from here on its release has begun
+                self.metrics["tool_lifecycle_errors"] += not await self._quietly(t.release(instance_id))
+        except asyncio.CancelledError:
+            for name, instance_id in pending:
+                await self._quietly(self.tools[name].release(instance_id))
+            raise
         return total
 
     async def _quietly(self, coro: Any) -> bool:

@@ -28,7 +28,7 @@ from agentrl.env.rewards import RewardFn
 from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
-from agentrl.tools.base import Tool, finite_number
+from agentrl.tools.base import REWARD_LIMIT, Tool, finite_number
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import PluginError, call_plugin, failure_text
 from agentrl.types import SamplingParams, Task, Trajectory
@@ -164,7 +164,7 @@ class EpisodeRunner:
         # A copy, as tools get: a judge that appends its own prompt or edits a turn must not change
         # what the episode recorded (and will train on).
         reply = await self._interaction_call(interaction.respond(copy.deepcopy(messages)))
-        scores.append(finite_number(reply.score))
+        scores.append(finite_number(reply.score, REWARD_LIMIT))
         if reply.done:
             return None
         if not isinstance(reply.text, str):  # None would be shown to the model as an empty user turn
@@ -176,9 +176,9 @@ class EpisodeRunner:
         """The episode's reward: the outcome, plus the tool and interaction rewards the settings add."""
         s = self.settings
         outcome = outcome_reward(self.reward_fn, task, copy.deepcopy(traj.messages))
-        traj.reward = (outcome + (sum(step_rewards) if s.tool_step_rewards else 0.0)
-                       + (tool_final if s.tool_final_rewards else 0.0)
-                       + (sum(scores) if s.interaction_scores else 0.0))
+        traj.reward = checked_total(outcome + (sum(step_rewards) if s.tool_step_rewards else 0.0)
+                                    + (tool_final if s.tool_final_rewards else 0.0)
+                                    + (sum(scores) if s.interaction_scores else 0.0))
         traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(step_rewards),
                              "tool_final_reward": tool_final, "interaction_score": sum(scores)})
 
@@ -198,4 +198,15 @@ def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[s
         number = math.nan
     if not math.isfinite(number):
         raise ValueError(f"the reward function returned {value!r}, not a finite number")
+    if abs(number) > REWARD_LIMIT:
+        raise ValueError(f"the reward function returned {value!r}, beyond ±{REWARD_LIMIT:g} (the largest reward "
+                         "training takes)")
     return number
+
+
+def checked_total(reward: float) -> float:
+    """An episode's summed reward, or a ValueError (which fails the episode) beyond REWARD_LIMIT."""
+    if not abs(reward) <= REWARD_LIMIT:
+        raise ValueError(f"the episode's rewards sum to {reward!r}, beyond ±{REWARD_LIMIT:g} (the largest reward "
+                         "training takes)")
+    return reward

@@ -46,7 +46,7 @@ from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.errors import ConfigError
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
-from agentrl.rollout.episode import EpisodeSettings, outcome_reward
+from agentrl.rollout.episode import EpisodeSettings, checked_total, outcome_reward
 from agentrl.serve.app import create_app
 from agentrl.serve.protocol import SESSION_HEADER
 from agentrl.serve.server import BackgroundServer, serve_settings
@@ -216,8 +216,8 @@ class AgentRunner:
             traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
         traj.finish = session.refused or traj.finish
         outcome = outcome_reward(self.reward_fn, task, copy.deepcopy(traj.messages))
-        traj.reward = (outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
-                       + (tool_final if s.tool_final_rewards else 0.0))
+        traj.reward = checked_total(outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
+                                    + (tool_final if s.tool_final_rewards else 0.0))
         traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(env.step_rewards),
                              "tool_final_reward": tool_final})
         return traj

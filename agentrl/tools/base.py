@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import jsonschema
 from transformers.utils import get_json_schema
 
-from agentrl.tools.threads import DaemonExecutor
+from agentrl.tools.threads import DaemonExecutor, PluginError
 
 
 @dataclass
@@ -94,7 +94,7 @@ class FunctionTool:
             result = await self.fn(**arguments)
         else:
             loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._threads, functools.partial(self.fn, **arguments))
+            result = await loop.run_in_executor(self._threads, functools.partial(_on_thread, self.fn, arguments))
         return result if isinstance(result, ToolResult) else ToolResult(text=as_text(result))
 
     async def reward(self, instance_id: str) -> float | None:
@@ -140,13 +140,28 @@ def as_text(value: Any) -> str:
     return value
 
 
-def finite_number(value: Any) -> float | None:
-    """`value` as a finite float, or None (None, text, bools, NaN, infinity, an int too large for a
-    float, objects): what a tool's reward or metric must be to count. numpy's scalars are numbers."""
+# The largest reward magnitude training takes: advantages and returns are float32, and whitening
+# squares them (1e9² is far inside float32; 1e20² is infinity, and then every advantage is NaN).
+REWARD_LIMIT = 1e9
+
+
+def _on_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    """A sync tool's call on its daemon thread. No real Ctrl-C lands there, so a KeyboardInterrupt
+    (or SystemExit) is the tool's own: it fails this call instead of ending the run."""
+    try:
+        return fn(**arguments)
+    except (KeyboardInterrupt, SystemExit) as e:
+        raise PluginError(e) from e
+
+
+def finite_number(value: Any, limit: float = math.inf) -> float | None:
+    """`value` as a finite float of magnitude at most `limit`, or None (None, text, bools, NaN,
+    infinity, an int too large for a float, objects): what a tool's metric must be to count (a
+    reward: within REWARD_LIMIT). numpy's scalars are numbers."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     try:
         number = float(value)
     except (OverflowError, TypeError, ValueError):
         return None
-    return number if math.isfinite(number) else None
+    return number if math.isfinite(number) and abs(number) <= limit else None

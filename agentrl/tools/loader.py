@@ -48,7 +48,9 @@ def resolve_reference(ref: str, group: str = ENTRY_POINT_GROUP) -> Any:
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # an import error inside the plug-in is as fatal as a missing module
+    except (Exception, SystemExit) as e:  # an import error inside the plug-in is as fatal as a missing
+        # module; SystemExit too (a module that parses the command line when imported), named here
+        # instead of ending the process with its own usage message
         raise ValueError(f"cannot import module '{module_name}' ({type(e).__name__}: {e})") from None
     try:
         obj = module
@@ -110,8 +112,9 @@ def _instantiate(entry: Any) -> Any:
         config = typed_config(obj, config)
         try:
             return obj(**config)
-        except Exception as e:
-            raise ValueError(f"constructing {entry['class']} with config {masked(config)} failed: {e}") from None
+        except (Exception, SystemExit) as e:
+            raise ValueError(f"constructing {entry['class']} with config {masked(config)} failed: "
+                             f"{type(e).__name__ + ' ' if isinstance(e, SystemExit) else ''}{e}") from None
     if isinstance(obj, FunctionTool) or callable(obj):
         if config:
             raise ValueError("key 'config' is only for tool classes, not functions")

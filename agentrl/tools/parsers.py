@@ -111,11 +111,28 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
         arguments = {}
     if not isinstance(arguments, dict):
         return None, f"the arguments of '{name}' must be a JSON object"
+    if _depth(arguments) > MAX_ARGUMENT_DEPTH:  # JSON parses far deeper than a chat template renders
+        return None, f"the arguments of '{name}' are nested more than {MAX_ARGUMENT_DEPTH} levels deep"
     try:  # a \ud83d escape alone decodes to half a surrogate pair, which no text (nor a UTF-8 file) can hold
         json.dumps([name, arguments], ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
         return None, f"the tool call is not valid JSON (a lone surrogate escape, {e.object[e.start]!r}): {body[:200]}"
     return ToolCall(name=name, arguments=arguments), ""
+
+
+MAX_ARGUMENT_DEPTH = 64
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _json_limit(error: ValueError | RecursionError) -> str:

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.tools.base import Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
+from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 from agentrl.tools.threads import abandoned_calls, call_plugin, failure_text
 
 
@@ -99,7 +99,7 @@ class ToolHost:
             except asyncio.TimeoutError:
                 value, error = None, f"TimeoutError: {name} did not finish within {limit:g} s"
             except Exception as e:
-                value, error = None, failure_text(e)
+                value, error = None, as_text(failure_text(e))  # JSON cannot carry lone surrogates
             elapsed = time.perf_counter() - started
         stats = self.stats[name][op]
         stats.calls, stats.errors = stats.calls + 1, stats.errors + (error is not None)
@@ -114,7 +114,7 @@ class ToolHost:
             live.last_used = time.monotonic()
             return instance_id, None
         if live is not None or instance_id in self.creating:
-            raise HTTPException(409, f"instance '{instance_id}' exists or is being created")
+            raise HTTPException(409, as_text(f"instance '{instance_id}' exists or is being created"))
         self.creating[instance_id] = False
         try:
             if len(self.instances) + len(self.creating) > self.settings.max_instances:
@@ -135,7 +135,7 @@ class ToolHost:
     def instance(self, instance_id: str) -> Live:
         live = self.instances.get(instance_id)
         if live is None:
-            raise HTTPException(404, f"unknown instance '{instance_id}' (never created, released or expired)")
+            raise HTTPException(404, as_text(f"unknown instance '{instance_id}' (never created, released or expired)"))
         live.last_used = time.monotonic()
         return live
 
@@ -233,7 +233,7 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
     @app.post("/instances", dependencies=[auth])
     async def create(body: CreateRequest) -> dict[str, Any]:
         if body.tool not in host.tools:
-            raise HTTPException(404, f"unknown tool '{body.tool}'; available: {', '.join(sorted(host.tools))}")
+            raise HTTPException(404, as_text(f"unknown tool '{body.tool}'; available: {', '.join(sorted(host.tools))}"))
         instance_id, error = await host.create(body.tool, body.kwargs, body.instance_id or uuid.uuid4().hex)
         return {"instance_id": instance_id if error is None else None, "error": error}
 
@@ -243,7 +243,7 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         name = live.tool
         problem = argument_problem(host.tools[name], body.arguments)
         if problem:
-            raise HTTPException(422, problem)
+            raise HTTPException(422, as_text(problem))
         result, error = await host.call(name, "execute", lambda: host.tools[name].execute(live.tool_id, body.arguments))
         live.last_used = time.monotonic()  # a long call does not count as idle time
         if error is not None:
@@ -253,15 +253,15 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         text = as_text(result.text)  # also escapes lone surrogates, which JSON cannot carry
         # Only finite numbers cross the wire (JSON has no NaN); the client's ToolEnv counts the rest.
         given = result.metrics.items() if isinstance(result.metrics, dict) else ()
-        metrics = {str(k): n for k, v in given if (n := finite_number(v)) is not None}
-        reward = finite_number(result.reward)
+        metrics = {as_text(str(k)): n for k, v in given if (n := finite_number(v)) is not None}
+        reward = finite_number(result.reward, REWARD_LIMIT)
         return {"text": text, "reward": reward, "metrics": metrics, "error": None}
 
     @app.post("/instances/{instance_id}/reward", dependencies=[auth])
     async def reward(instance_id: str) -> dict[str, Any]:
         live = host.instance(instance_id)
         value, error = await host.call(live.tool, "reward", lambda: host.tools[live.tool].reward(live.tool_id))
-        return {"reward": finite_number(value), "error": error}
+        return {"reward": finite_number(value, REWARD_LIMIT), "error": error}
 
     @app.delete("/instances/{instance_id}", dependencies=[auth])
     async def release(instance_id: str) -> dict[str, Any]:

@@ -66,6 +66,8 @@ class CheckAnswer:
     }
 
     def __init__(self, tolerance: float = 1e-6):
+        if not (math.isfinite(tolerance) and tolerance >= 0):  # NaN or < 0 would mark every answer wrong
+            raise ValueError(f"tolerance must be a finite number of at least 0, got {tolerance}")
         self.tolerance = tolerance
         self._truth: dict[str, float | None] = {}
         self._solved: dict[str, bool] = {}
