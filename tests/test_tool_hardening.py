@@ -219,3 +219,34 @@ def test_arguments_nested_deeper_than_a_template_renders_are_a_parse_error():
         shallow = [shallow]
     assert parse_hermes('<tool_call>\n' + json.dumps({"name": "f", "arguments": {"x": shallow}}) +
                         '\n</tool_call>').calls[0].arguments == {"x": shallow}
+
+
+SCHEMA = '''
+tools:
+  - class: calculator
+    schema:
+      type: function
+      function:
+        name: calc
+        description: Arithmetic.
+        parameters: {type: object, properties: %s, required: %s}
+'''
+
+
+@pytest.mark.parametrize("properties,required,problem", [
+    ("{expr: {type: string}}", "[expr]", "the schema of 'calc' has properties ['expr'] that calculator() takes no "
+                                         "parameter for (it takes ['expression'])"),
+    ("{}", "[]", "calculator() needs ['expression'], which the schema of 'calc' does not offer"),
+])
+def test_a_schema_whose_calls_cannot_reach_the_function_is_refused_at_load(tmp_path, properties, required, problem):
+    """The run used to start with such a file, and every call failed with a TypeError."""
+    path = tmp_path / "tools.yaml"
+    path.write_text(SCHEMA % (properties, required))
+    with pytest.raises(ConfigError) as error:
+        load_tools(str(path))
+    assert str(error.value) == f"{path}: tool 'calc' (#1): {problem}"
+    path.write_text(SCHEMA % ("{expression: {type: string}, note: {type: string}}", "[expression]"))
+    with pytest.raises(ConfigError, match=r"properties \['note'\]"):
+        load_tools(str(path))
+    path.write_text(SCHEMA % ("{expression: {type: string, description: The arithmetic.}}", "[expression]"))
+    assert [t.schema["function"]["name"] for t in load_tools(str(path))] == ["calc"]

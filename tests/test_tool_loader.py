@@ -156,8 +156,17 @@ def test_refs_that_resolve_inside_the_schema_load(tmp_path):
                   properties: {expression: {$ref: '#/$defs/text'}, more: {type: array, items: {$ref: '#/$defs/text'}}}
                   $defs: {text: {type: string}}
         """)
+    with pytest.raises(ConfigError, match=r"the schema of 'c' has properties \['more'\] that calculator\(\) takes no "
+                                          r"parameter for \(it takes \['expression'\]\)$"):
+        load_tools(path)  # the refs resolve; the extra property is what stops it
+    path.write_text(path.read_text().replace("class: calculator", "class: tests.test_tool_loader:calculate_more"))
     [calc] = load_tools(path)
     assert calc.schema["function"]["parameters"]["properties"]["expression"] == {"$ref": "#/$defs/text"}
+
+
+def calculate_more(expression: str, more: list[str] | None = None) -> str:
+    """The calculator with extra inputs, for the schema above."""
+    return expression
 
 
 def test_duplicate_across_files(tmp_path):

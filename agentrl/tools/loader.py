@@ -198,11 +198,36 @@ def _check_tool(instance: Any, ref: str) -> None:
 
 def _function_tool(fn: Any, schema: Any) -> FunctionTool:
     if schema is not None:
+        problem = _signature_mismatch(fn, schema)
+        if problem:
+            raise ValueError(problem)
         return FunctionTool(fn, schema=schema)
     try:
         return FunctionTool(fn)
     except Exception as e:
         raise ValueError(f"no schema: cannot derive one from the function ({e})") from None
+
+
+def _signature_mismatch(fn: Any, schema: dict[str, Any]) -> str | None:
+    """Why calls made by `schema` could never bind to `fn` (a property it has no parameter for, or a
+    parameter without a default that the schema does not offer), or None. Checked at load: the run
+    would otherwise start and every call fail."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return None
+    spec = schema["function"].get("parameters") or {}
+    properties = set(spec.get("properties") or {})
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    name = schema["function"]["name"]
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters) and properties - named:
+        return (f"the schema of '{name}' has properties {sorted(properties - named)} that "
+                f"{getattr(fn, '__qualname__', fn)}() takes no parameter for (it takes {sorted(named)})")
+    needed = {p.name for p in parameters if p.default is p.empty and p.name in named} - properties
+    if needed:
+        return (f"{getattr(fn, '__qualname__', fn)}() needs {sorted(needed)}, which the schema of '{name}' does not "
+                f"offer")
+    return None
 
 
 def load_tools(path: str | Path) -> list[Tool]:
