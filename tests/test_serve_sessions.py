@@ -102,32 +102,29 @@ def test_session_ids_with_a_slash_can_be_read_and_deleted(tokenizer):
         server.stop()
 
 
-async def crashing_after_refusal(ctx, task):
-    client = ctx.openai_client()
-    await client.chat.completions.create(model=ctx.model, messages=task.messages())
-    try:
-        await client.chat.completions.create(model=ctx.model, messages=task.messages())
-    except openai.BadRequestError:
-        pass
-    raise ValueError("the framework broke while handling the refusal's answer")
-
-
-async def reraising_refusal(ctx, task):
+async def refusal(ctx, task) -> openai.BadRequestError:
+    """One turn, then a second request, which `max_turns=1` refuses: the refusal, caught."""
     client = ctx.openai_client()
     await client.chat.completions.create(model=ctx.model, messages=task.messages())
     try:
         await client.chat.completions.create(model=ctx.model, messages=task.messages())
     except openai.BadRequestError as e:
-        raise RuntimeError("the agent framework gave up") from e  # wrapping the refusal
+        return e
+    raise AssertionError("the second request was not refused")
+
+
+async def crashing_after_refusal(ctx, task):
+    await refusal(ctx, task)
+    raise ValueError("the framework broke while handling the refusal's answer")
+
+
+async def reraising_refusal(ctx, task):
+    raise RuntimeError("the agent framework gave up") from await refusal(ctx, task)  # wrapping the refusal
 
 
 async def hanging_after_refusal(ctx, task):
-    client = ctx.openai_client()
-    await client.chat.completions.create(model=ctx.model, messages=task.messages())
-    try:
-        await client.chat.completions.create(model=ctx.model, messages=task.messages())
-    except openai.BadRequestError:
-        await asyncio.Event().wait()
+    await refusal(ctx, task)
+    await asyncio.Event().wait()
 
 
 def run_episode(agent, tokenizer, **settings):
