@@ -23,6 +23,10 @@ def value_types(annotation: Any) -> tuple[set[Any], bool]:
     return {a for a in args if a is not type(None)}, type(None) in args
 
 
+# Operands longer than this make expressions past the calculator's 500-character limit.
+MAX_DIGITS = 50
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no lr=inf
 
@@ -81,8 +85,8 @@ class ModelConfig(_Section):
 
 
 class ArithmeticConfig(_Section):
-    min_digits: int = Field(3, ge=1, description="Fewest digits of a generated operand.")
-    max_digits: int = Field(4, ge=1, description="Most digits of a generated operand.")
+    min_digits: int = Field(3, ge=1, le=MAX_DIGITS, description="Fewest digits of a generated operand.")
+    max_digits: int = Field(4, ge=1, le=MAX_DIGITS, description="Most digits of a generated operand.")
 
 
 class DataConfig(_Section):
@@ -93,7 +97,7 @@ class DataConfig(_Section):
     answer_key: str | None = Field("answer", description="Column holding the ground truth (null: none).")
     id_key: str | None = Field(None, description="Column holding a task id (null: row index).")
     num_tasks: int = Field(8, ge=1, description="How many tasks a rollout uses.")
-    seed: int = Field(0, description="Seed of the arithmetic generator.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the arithmetic generator.")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="Generator settings.")
 
 
@@ -143,7 +147,7 @@ class EngineConfig(_Section):
     name: Literal["hf", "sglang"] = Field("hf", description="Inference engine: 'hf' (transformers) or 'sglang'.")
     device: Device = Field("cpu", description="Torch device of the engine.")
     max_batch_size: int = Field(64, ge=1, description="Generate calls decoded together (hf).")
-    seed: int = Field(0, description="Sampling seed.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Sampling seed.")
     kv_cache_bytes: int = Field(2 * 1024**3, ge=0, description="Memory for keys and values kept between an "
                                 "episode's turns, so a turn prefills only its new tokens, and for prompts' "
                                 "first messages shared across tasks; least recently used entries are evicted "
@@ -165,14 +169,14 @@ class SFTConfig(_Section):
     data: str = Field("arithmetic", description="'arithmetic' (generated calculator demonstrations) or a jsonl "
                                                 "file with a 'messages' list per line.")
     num_examples: int = Field(32, ge=1, description="Generated demonstrations (data 'arithmetic').")
-    min_digits: int = Field(2, ge=1, description="Fewest digits of a demonstration operand.")
-    max_digits: int = Field(3, ge=1, description="Most digits of a demonstration operand.")
+    min_digits: int = Field(2, ge=1, le=MAX_DIGITS, description="Fewest digits of a demonstration operand.")
+    max_digits: int = Field(3, ge=1, le=MAX_DIGITS, description="Most digits of a demonstration operand.")
     steps: int = Field(20, ge=0, description="Optimizer steps.")
     batch_size: int = Field(4, ge=1, description="Conversations per step.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     dtype: Dtype = Field("auto", description="Compute dtype of forward passes: bfloat16 runs them under autocast, "
                                              "weights stay float32. " + DTYPE_AUTO)
-    seed: int = Field(1000, description="Seed of demonstrations and batch order.")
+    seed: int = Field(1000, ge=0, lt=2**63, description="Seed of demonstrations and batch order.")
 
     @model_validator(mode="before")
     @classmethod
@@ -265,15 +269,23 @@ class CriticConfig(_Section):
 
 class EvalConfig(_Section):
     num_tasks: int = Field(32, ge=1, description="Held-out tasks.")
-    seed: int = Field(10_000, description="Seed of held-out arithmetic tasks (data.source 'arithmetic').")
+    seed: int = Field(10_000, ge=0, lt=2**63,
+                      description="Seed of held-out arithmetic tasks (data.source 'arithmetic').")
     files: list[str] = Field(default_factory=list, description="Held-out task files (other sources).")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature for evaluation (0: greedy).")
 
 
 class RecipeConfig(_Section):
     name: str = Field("run", description="Run name; names the output directory.")
+
+    @field_validator("name")
+    @classmethod
+    def _one_component(cls, name: str) -> str:  # runs/<name> must stay a run of its own under runs/
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise ValueError("must be one directory name (no '/', not empty, '.' or '..')")
+        return name
     output_dir: str | None = Field(None, description="Where outputs go (default runs/<name>).")
-    seed: int = Field(0, description="Global seed.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Global seed.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Where tasks come from.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="The episode loop.")
@@ -293,6 +305,9 @@ class RecipeConfig(_Section):
             raise ValueError("data.arithmetic.min_digits is larger than max_digits")
         if self.sft.min_digits > self.sft.max_digits:
             raise ValueError("sft.min_digits is larger than max_digits")
+        if self.data.files and self.data.source != "files":
+            raise ValueError(f"data.files lists files, but data.source is '{self.data.source}', which does not read "
+                             "them: set data.source: files")
         if self.sft.base_model is None:
             self.sft.base_model = self.model.path
         if self.sft.output is None:

@@ -11,12 +11,14 @@ with GSM8K-style answers ('#### <number>'), so the same rewards and tools apply 
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 from agentrl.errors import ConfigError
+from agentrl.rollout.chat import normalize_tool_calls
 from agentrl.tools.builtin.calculator import evaluate
 from agentrl.types import Task
 
@@ -39,7 +41,7 @@ def arithmetic_tasks(n: int, seed: int = 0, min_digits: int = 3, max_digits: int
     for i in range(n):
         template, expression = _TEMPLATES[rng.randrange(len(_TEMPLATES))]
         a, b = (_number(rng, rng.randint(min_digits, max_digits)) for _ in range(2))
-        c = rng.randint(1, a * b // 2)
+        c = rng.randint(1, max(1, a * b // 2))  # 1 × 1: a*b//2 is 0
         expression = expression.format(a=a, b=b, c=c)
         tasks.append(Task(id=f"arith-{seed}-{i}", prompt=template.format(a=a, b=b, c=c),
                           answer=f"#### {evaluate(expression)}", metadata={"expression": expression}))
@@ -126,6 +128,8 @@ def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answ
     prompt = _required(row, prompt_key, where)
     if isinstance(prompt, list):
         check_messages(prompt, f"{where}: '{prompt_key}'")
+        # OpenAI's JSON-string arguments as mappings, as SFT and the sampled turns render them
+        prompt = [normalize_tool_calls(m) for m in prompt]
     elif not isinstance(prompt, str):
         raise ConfigError(f"{where}: '{prompt_key}' must be text or a list of chat messages, not {_kind(prompt)}")
     answer = None
@@ -133,6 +137,8 @@ def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answ
         answer = _required(row, answer_key, where, "data.answer_key: null runs tasks without answers")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise ConfigError(f"{where}: '{answer_key}' must be text or a number, not {_kind(answer)}")
+        if isinstance(answer, float) and not math.isfinite(answer):  # 1e400 reads as inf
+            raise ConfigError(f"{where}: '{answer_key}' is {answer}, not a finite number")
     if id_key:
         _required(row, id_key, where)
     tool_kwargs = row.get("tool_kwargs") or {}

@@ -173,7 +173,10 @@ def load_model(name_or_path: str, dtype: str = "float32"):
         if adapter.is_file():
             from agentrl.trainer.lora import load_merged
 
-            base = json.loads(adapter.read_text())["base_model_name_or_path"]
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+            if not isinstance(base, str) or not base:
+                raise ConfigError(f"model '{name_or_path}': {adapter} names no base model "
+                                  "('base_model_name_or_path')")
             return load_merged(path, base, dtype).eval()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:

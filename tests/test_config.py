@@ -13,7 +13,8 @@ from agentrl.errors import ConfigError
 
 def test_recipe_and_overrides():
     config = load_recipe("recipes/rollout_cpu.yaml", ["rollout.group_size=8", "rollout.temperature=0.5",
-                                                      "data.files=[a.jsonl, b.jsonl]", "model.chat_template=hermes"])
+                                                      "data.source=files", "data.files=[a.jsonl, b.jsonl]",
+                                                      "model.chat_template=hermes"])
     assert config.rollout.group_size == 8 and config.rollout.temperature == 0.5
     assert config.data.files == ["a.jsonl", "b.jsonl"] and config.model.chat_template == "hermes"
     assert config.rollout.tool_configs == ["tool_configs/calculator.yaml"]
@@ -29,6 +30,16 @@ def test_recipe_and_overrides():
     ("model.path.x=1", "'model.path' is not a section"),
     ("trainer.lr=inf", "trainer.lr: Input should be a finite number (got 'inf')"),  # fields without bounds too
     ("algorithm.kl_coef=nan", "algorithm.kl_coef: Input should be a finite number (got 'nan')"),
+    # torch and random take 64-bit seeds: this one used to fail after the model loaded, with a traceback
+    ("engine.seed=18446744073709551616", "engine.seed: Input should be less than 9223372036854775808"),
+    ("sft.seed=-1", "sft.seed: Input should be greater than or equal to 0"),
+    ("data.arithmetic.max_digits=200", "data.arithmetic.max_digits: Input should be less than or equal to 50"),
+    ("name=..", "name: must be one directory name (no '/', not empty, '.' or '..') (got '..')"),
+    ("name=/tmp", "name: must be one directory name (no '/', not empty, '.' or '..') (got '/tmp')"),
+    ("name=''", "name: must be one directory name (no '/', not empty, '.' or '..') (got '')"),
+    # the files were ignored and generated tasks ran instead
+    ("data.files=[t.jsonl]", "data.files lists files, but data.source is 'arithmetic', which does not read them: "
+                             "set data.source: files"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -288,7 +299,8 @@ def test_tools_serve_refuses_a_port_out_of_range(capsys):
     ('rollout.system_prompt="a" or "b"', '"a" or "b"'),  # quotes inside text are no YAML scalar: verbatim
 ])
 def test_a_quoted_text_override_is_its_yaml_scalar(override, value):
-    config = load_recipe("recipes/quickstart.yaml", [override, 'data.files=["a b.jsonl"]', 'trainer.steps="5"'])
+    config = load_recipe("recipes/quickstart.yaml", [override, 'data.source=files', 'data.files=["a b.jsonl"]',
+                                                     'trainer.steps="5"'])
     assert (config.rollout.system_prompt, config.data.files, config.trainer.steps) == (value, ["a b.jsonl"], 5)
 
 

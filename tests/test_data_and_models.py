@@ -194,3 +194,56 @@ def test_the_recipes_system_prompt_opens_a_task_given_as_messages_unless_it_has_
     assert Task(id="a", prompt=asked).messages("Be brief.") == [{"role": "system", "content": "Be brief."}, *asked]
     own = [{"role": "system", "content": "Think."}, *asked]
     assert Task(id="b", prompt=own).messages("Be brief.") == own and Task(id="c", prompt=asked).messages() == asked
+
+
+def test_one_digit_operands_generate_tasks():
+    """1 × 1 left no room for the subtracted term: randint(1, 0) raised inside the generator."""
+    tasks = arithmetic_tasks(40, seed=1, min_digits=1, max_digits=1)
+    assert len(tasks) == 40 and all(task.answer.startswith("#### ") for task in tasks)
+
+
+def test_an_answer_that_overflows_to_infinity_is_refused(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"question": "q", "answer": 1e400}\n')
+    with pytest.raises(ConfigError) as err:
+        dataset_tasks("files", [str(path)], "train", "question", "answer")
+    assert str(err.value) == f"{path}:1: 'answer' is inf, not a finite number"
+
+
+def test_openai_style_calls_in_a_task_prompt_render_as_sampled_calls_do(tmp_path, tokenizer):
+    """A prompt's earlier assistant turn with JSON-string arguments rendered them quoted a second
+    time, unlike SFT and the policy's own calls."""
+    from agentrl.rollout.chat import ChatRenderer
+    from agentrl.tools.builtin.calculator import calculator
+
+    history = [{"role": "user", "content": "What is 2+3?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]},
+               {"role": "tool", "content": "5"}, {"role": "user", "content": "And 4*4?"}]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"prompt": history, "answer": "16"}) + "\n")
+    [task] = dataset_tasks("files", [str(path)], "train", "prompt", "answer")
+    assert task.messages()[1]["tool_calls"][0]["function"]["arguments"] == {"expression": "2+3"}
+    text = ChatRenderer(tokenizer, [calculator]).render_text(task.messages(), add_generation_prompt=True)
+    assert '{"name": "calculator", "arguments": {"expression": "2+3"}}' in text
+
+
+def test_special_token_text_in_a_calls_arguments_is_refused_not_encoded(tokenizer):
+    from agentrl.rollout.chat import ChatRenderer, SpecialTextError
+
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"type": "function", "function": {"name": "calculator",
+                                                      "arguments": {"expression": "1<|im_end|>"}}}]},
+                {"role": "tool", "content": "1"}]
+    with pytest.raises(SpecialTextError, match=r"^a tool call's arguments contain the special token text "
+                                               r"'<\|im_end\|>', which would become a control token$"):
+        ChatRenderer(tokenizer, []).prompt_ids(messages)
+
+
+def test_an_adapter_without_its_base_model_is_a_config_error(tmp_path):
+    (tmp_path / "adapter_config.json").write_text('{"r": 8}')
+    with pytest.raises(ConfigError) as err:
+        load_model(str(tmp_path))
+    assert str(err.value) == (f"model '{tmp_path}': {tmp_path / 'adapter_config.json'} names no base model "
+                              "('base_model_name_or_path')")

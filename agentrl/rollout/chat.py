@@ -36,6 +36,10 @@ class TemplateError(RuntimeError):
     """The chat template cannot continue this conversation token by token."""
 
 
+class SpecialTextError(TemplateError):
+    """A message holds a special token's text where it cannot be kept as text."""
+
+
 class ChatRenderer:
     """Chat-template rendering to token ids, and the suffix a list of new messages adds."""
 
@@ -70,6 +74,14 @@ class ChatRenderer:
         Where each such content sits is found by rendering again (`remake` makes `text` from other
         messages) with a marker in its place, never by searching for the content, which could match
         the template's own tokens first (a prompt that is just `<|im_start|>`)."""
+        for m in messages:
+            # Arguments render inside the template's own call markup, where no marker can stand in
+            # for them: special text there would be encoded as control tokens, so it is refused.
+            calls = json.dumps(m.get("tool_calls") or [], ensure_ascii=False)
+            found = next((s for s in self.special_texts if s in calls), None)
+            if found:
+                raise SpecialTextError(f"a tool call's arguments contain the special token text {found!r}, which "
+                                       "would become a control token")
         special = [m for m in messages if m.get("role") != "system" and isinstance(m.get("content"), str)
                    and any(t in m["content"] for t in self.special_texts)]
         if not special:

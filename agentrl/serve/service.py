@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import jinja2
 
-from agentrl.rollout.chat import ChatRenderer, TemplateError, stop_token_ids
+from agentrl.rollout.chat import ChatRenderer, SpecialTextError, TemplateError, stop_token_ids
 from agentrl.rollout.engine import Engine
 from agentrl.serve.protocol import ChatRequest, RequestError, chat_messages
 from agentrl.serve.sessions import Session, SessionStore, commit_turn, plan_turn
@@ -67,6 +67,8 @@ def rendering_errors() -> Iterator[None]:
         yield
     except jinja2.TemplateError as e:
         raise RequestError(f"the chat template cannot render these messages: {e}") from None
+    except SpecialTextError as e:  # in the client's messages
+        raise RequestError(str(e)) from None
     except TemplateError as e:
         raise RequestError(str(e), 500, "template_error") from None
 
