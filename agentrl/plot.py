@@ -8,6 +8,7 @@ This is a quick look at finished runs, not a dashboard: TensorBoard (tracking.py
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,7 @@ class Run:
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) where this run logged a finite number for `key`."""
-        points = [(row["step"], float(row[key])) for row in self.rows
-                  if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])]
+        points = [(row["step"], number) for row in self.rows if (number := _finite(row.get(key))) is not None]
         return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -48,11 +48,25 @@ def read_run(run_dir: str | Path) -> list[dict[str, float]]:
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl (written by agentrl train)")
     rows = []
-    for _, row in jsonl_objects(path, cut_short_end=True, non_finite=True):
-        rows.append({**row, "step": row.get("step", len(rows) + 1)})
+    for number, row in jsonl_objects(path, cut_short_end=True, non_finite=True):
+        step = row.get("step", len(rows) + 1)
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ConfigError(f"{path}:{number}: 'step' is {json.dumps(step)[:40]}, not an integer")
+        rows.append({**row, "step": step})
     if not rows:
         raise ConfigError(f"{path}: no steps logged")
     return rows
+
+
+def _finite(value: Any) -> float | None:
+    """A logged number as a float, or None (text, NaN, infinity, an integer past float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def labels_for(run_dirs: list[str | Path]) -> list[str]:

@@ -14,6 +14,7 @@ This module computes no statistics and changes no files besides the page it writ
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -82,6 +83,8 @@ def load_trajectories(run_dir: Path, steps: set[int] | None = None) -> list[dict
     if steps is not None and not records:
         raise ConfigError(f"--steps {','.join(map(str, sorted(steps)))}: no trajectories for these steps in "
                           f"{run_dir} (steps present: {', '.join(map(str, sorted(present)))})")
+    if not records:  # files holding nothing but a line cut short
+        raise ConfigError(f"{run_dir}: no complete trajectory to show")
     return records
 
 
@@ -95,16 +98,35 @@ def _malformed(record: dict[str, Any]) -> str | None:
         value = record.get(key, [])
         return isinstance(value, list) and all(isinstance(x, kind) and not isinstance(x, bool) for x in value)
 
+    def aligned(key: str) -> bool:  # one entry per token, or the page would drop tokens silently
+        tokens = record.get("token_ids")
+        return isinstance(record.get(key), list) and isinstance(tokens, list) and len(record[key]) == len(tokens)
+
+    messages = record["messages"]
     checks = [("step", isinstance(record.get("step", 0), int) and not isinstance(record.get("step"), bool),
                "an integer"),
-              ("token_ids", numbers("token_ids", int), "a list of integers"),
-              ("loss_mask", numbers("loss_mask", int), "a list of integers"),
+              ("token_ids", numbers("token_ids", int) and all(0 <= x < 2**31 for x in record["token_ids"]),
+               "a list of token ids (integers from 0)"),
+              ("loss_mask", numbers("loss_mask", int) and aligned("loss_mask"), "a list of integers, one per token"),
               ("logprobs", record.get("logprobs") is None or numbers("logprobs", (int, float)), "a list of numbers"),
-              ("messages", isinstance(record["messages"], list) and all(isinstance(m, dict) for m in record["messages"]),
-               "a list of objects"),
-              ("reward", record.get("reward") is None or isinstance(record["reward"], (int, float)), "a number")]
+              ("messages", isinstance(messages, list) and all(isinstance(m, dict) and _calls_ok(m) for m in messages),
+               "a list of objects (tool_calls a list of objects)"),
+              ("reward", record.get("reward") is None or _finite(record["reward"]), "a finite number")]
     bad = next(((key, what) for key, ok, what in checks if not ok), None)
     return f"{bad[0]} is {json.dumps(record.get(bad[0]))[:40]}, not {bad[1]}" if bad else None
+
+
+def _calls_ok(message: dict[str, Any]) -> bool:
+    calls = message.get("tool_calls")
+    return calls is None or (isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function", c), dict) for c in calls))
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 def run_model(run_dir: Path, model: str | None) -> str:
@@ -119,7 +141,7 @@ def run_model(run_dir: Path, model: str | None) -> str:
     try:
         config = yaml.safe_load(config_path.read_text()) or {}
         path, output_dir = config.get("model", {}).get("path"), config.get("output_dir")
-    except (yaml.YAMLError, AttributeError):
+    except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
         raise ConfigError(f"{config_path}: not a recipe mapping with model.path; pass --model") from None
     if not path:
         raise ConfigError(f"{config_path}: no model.path; pass --model")

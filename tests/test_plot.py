@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from PIL import Image
 
-from agentrl.plot import read_run, run_plot
+from agentrl.errors import ConfigError
+from agentrl.plot import Run, read_run, run_plot
 
 BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's C0 and C1
 
@@ -108,3 +111,18 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
         done = subprocess.run([sys.executable, "-m", "agentrl.cli", "plot", str(run), "--out", str(out)],
                               capture_output=True, text=True)
         assert (done.returncode, done.stderr) == (2, f"agentrl: error: --out: {message}\n")
+
+
+def test_steps_and_values_plot_cannot_use_are_named_or_left_out(tmp_path):
+    """A step that is no integer, and an integer past float's range, ended `plot` in a traceback."""
+    run = write_run(tmp_path / "odd", steps=3, reward_start=0.0)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1].replace('"reward_std": 0.05', '"reward_std": 1' + "0" * 400)
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert [row["step"] for row in read_run(run)] == [1, 2, 3]
+    assert Run("odd", read_run(run)).series("reward_std")[0] == [1, 3]  # step 2's value left out
+    assert run / "plots" / "reward.png" in run_plot([run])
+    lines[2] = lines[2].replace('"step": 3', '"step": [3]')
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"metrics.jsonl:3: 'step' is \[3\], not an integer$"):
+        read_run(run)

@@ -220,7 +220,7 @@ def test_a_relative_model_path_is_found_from_another_directory(tmp_path, monkeyp
     assert run_model(run, None) == "smollm2-135m-instruct"  # no directory: a builtin or hub id, as written
     (run / "config.yaml").write_text("output_dir: runs/r\nmodel:\n  path: runs/r/sft\n")
     assert run_model(run, None) == "runs/r/sft"  # in neither place: as written, for the error to name
-    (run / "rollout.jsonl").write_text("")
+    (run / "rollout.jsonl").write_text(json.dumps(GOOD) + "\n")
     done = agentrl("view", str(run))
     assert done.returncode == 2 and done.stderr.startswith("agentrl: error: model 'runs/r/sft': not a local model ")
     assert done.stderr.endswith(f"; it is model.path of {run / 'config.yaml'}: pass --model\n")
@@ -232,11 +232,19 @@ GOOD = {"task_id": "t", "group_id": "g", "token_ids": [1, 2, 3], "loss_mask": [0
 
 @pytest.mark.parametrize("change, problem", [
     ({"step": "abc"}, 'step is "abc", not an integer'),
-    ({"token_ids": None}, "token_ids is null, not a list of integers"),
-    ({"loss_mask": [0, 1.5, 1]}, "loss_mask is [0, 1.5, 1], not a list of integers"),
-    ({"messages": ["hello"]}, 'messages is ["hello"], not a list of objects'),
-    ({"reward": "high"}, 'reward is "high", not a number'),
+    ({"token_ids": None}, "token_ids is null, not a list of token ids (integers from 0)"),
+    ({"loss_mask": [0, 1.5, 1]}, "loss_mask is [0, 1.5, 1], not a list of integers, one per token"),
+    ({"messages": ["hello"]}, 'messages is ["hello"], not a list of objects (tool_calls a list of objects)'),
+    ({"reward": "high"}, 'reward is "high", not a finite number'),
     ({"logprobs": ["a"]}, 'logprobs is ["a"], not a list of numbers'),
+    # these used to reach the page and fail there, or drop tokens from it without a word
+    ({"token_ids": [-1, 2, 3]}, "token_ids is [-1, 2, 3], not a list of token ids (integers from 0)"),
+    ({"loss_mask": [0, 1]}, "loss_mask is [0, 1], not a list of integers, one per token"),
+    ({"reward": 10**400}, f"reward is {str(10**400)[:40]}, not a finite number"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": "calc"}]}]},
+     'messages is [{"role": "assistant", "tool_calls": [{", not a list of objects (tool_calls a list of objects)'),
+    ({"messages": [{"role": "assistant", "tool_calls": 5}]},
+     'messages is [{"role": "assistant", "tool_calls": 5}], not a list of objects (tool_calls a list of objects)'),
 ])
 def test_a_record_the_page_cannot_show_is_named_not_a_traceback(tmp_path, change, problem):
     """Each of these used to end `agentrl view` in a Python traceback."""
@@ -246,3 +254,10 @@ def test_a_record_the_page_cannot_show_is_named_not_a_traceback(tmp_path, change
     assert str(refused.value) == f"{tmp_path / 'rollout.jsonl'}:2: not a trajectory ({problem})"
     (tmp_path / "rollout.jsonl").write_text(json.dumps(GOOD | {"logprobs": [0, float("-inf"), 0]}) + "\n")
     assert load_trajectories(tmp_path)[0]["logprobs"][1] == float("-inf")  # agentrl's own output: read
+
+
+def test_a_run_with_nothing_but_a_cut_short_line_is_refused(tmp_path):
+    """It used to write an empty page and exit 0."""
+    (tmp_path / "rollout.jsonl").write_text(json.dumps(GOOD)[:30])
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: no complete trajectory to show$"):
+        load_trajectories(tmp_path)
