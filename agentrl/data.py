@@ -70,14 +70,25 @@ def dataset_tasks(source: str, files: list[str], split: str, prompt_key: str, an
                 task = _row_task(row, where, i, *keys)
                 if limit is None or i < limit:
                     tasks.append(task)
-            return tasks
+            return _unique_ids(tasks, id_key)
         ds, label = _load_dataset(BUILDERS[suffix], "train", files, files_key, limit), f"{files_key} row"
     else:
         ds, label = _load_dataset(source, split, limit=limit), f"data.source '{source}' row"
     for key in keys if len(ds) else ():
         if key is not None and key not in ds.column_names:
             raise ConfigError(f"data: column '{key}' not in {ds.column_names}")
-    return [_row_task(row, f"{label} {i + 1}", i, *keys) for i, row in enumerate(ds)]
+    return _unique_ids([_row_task(row, f"{label} {i + 1}", i, *keys) for i, row in enumerate(ds)], id_key)
+
+
+def _unique_ids(tasks: list[Task], id_key: str | None) -> list[Task]:
+    """`tasks`, or a ConfigError naming an id two rows share: a task's id names its group of episodes."""
+    first: dict[str, int] = {}
+    for task in tasks:
+        row = first.setdefault(task.id, task.metadata["row"])
+        if id_key and row != task.metadata["row"]:
+            raise ConfigError(f"data.id_key '{id_key}': rows {row + 1} and {task.metadata['row'] + 1} share the id "
+                              f"{task.id!r}")
+    return tasks
 
 
 def _files_format(files: list[str], files_key: str) -> str:
@@ -111,15 +122,30 @@ def _load_dataset(name: str, split: str, files: list[str] | None = None, files_k
 
     if files is not None and all(Path(f).stat().st_size == 0 for f in files):
         return []  # datasets cannot even infer a schema from empty files
+    # CSV cells as written: pandas would read the answer 0012 as 12.0 and the ids 001 and 01 as one
+    options = {"features": _text_columns(files[0])} if name == "csv" and files else {}
     try:
         ds = (datasets.load_dataset(name, split=split) if files is None
-              else datasets.load_dataset(name, data_files=files, split=split))
+              else datasets.load_dataset(name, data_files=files, split=split, **options))
     except Exception as e:  # a malformed file or a missing dataset: name it, without datasets' traceback
         first = (str(e).splitlines() or [""])[0]
+        if e.__cause__ is not None:  # datasets' generic "an error occurred" wraps the reason
+            first += f": {type(e.__cause__).__name__}: {(str(e.__cause__).splitlines() or [''])[0]}"
         if files is None:
             raise ConfigError(f"data.source: cannot load dataset '{name}' ({first})") from None
         raise ConfigError(f"{files_key}: cannot read {files} ({type(e).__name__}: {first})") from None
     return ds.select(range(min(limit, len(ds)))) if limit is not None else ds
+
+
+def _text_columns(path: str) -> Any:
+    """Every column of a CSV file's header as text, for `datasets` to read the cells as written."""
+    import csv
+
+    import datasets
+
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({column: datasets.Value("string") for column in header})
 
 
 def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answer_key: str | None,

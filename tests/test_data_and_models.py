@@ -247,3 +247,29 @@ def test_an_adapter_without_its_base_model_is_a_config_error(tmp_path):
         load_model(str(tmp_path))
     assert str(err.value) == (f"model '{tmp_path}': {tmp_path / 'adapter_config.json'} names no base model "
                               "('base_model_name_or_path')")
+
+
+def test_csv_cells_are_read_as_written(tmp_path):
+    """pandas' type guessing turned the answer 0012 into '12.0', and the ids 001 and 01 into one."""
+    path = tmp_path / "tasks.csv"
+    path.write_text("\ufeffid,question,answer\n001,q1,0012\n01,q2,3.50\n")  # with the BOM spreadsheets write
+    tasks = dataset_tasks("files", [str(path)], "train", "question", "answer", "id")
+    assert [(t.id, t.prompt, t.answer) for t in tasks] == [("001", "q1", "0012"), ("01", "q2", "3.50")]
+
+
+def test_a_bad_csv_row_names_the_reason(tmp_path):
+    path = tmp_path / "tasks.csv"
+    path.write_text("question,answer\nq1,1\nq2,2,3\n")
+    with pytest.raises(ConfigError) as err:
+        dataset_tasks("files", [str(path)], "train", "question", "answer")
+    assert str(err.value).endswith("Error tokenizing data. C error: Expected 2 fields in line 3, saw 3)")
+
+
+def test_two_rows_sharing_an_id_are_refused(tmp_path):
+    """A task's id names its group: two tasks under one id would be merged."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"id": "a", "q": "x", "answer": 1}\n{"id": "b", "q": "y", "answer": 2}\n'
+                    '{"id": "a", "q": "z", "answer": 3}\n')
+    with pytest.raises(ConfigError, match=r"^data.id_key 'id': rows 1 and 3 share the id 'a'$"):
+        dataset_tasks("files", [str(path)], "train", "q", "answer", "id")
+    assert len(dataset_tasks("files", [str(path)], "train", "q", "answer")) == 3  # row ids: row-0, row-1, row-2
