@@ -250,3 +250,32 @@ def test_a_schema_whose_calls_cannot_reach_the_function_is_refused_at_load(tmp_p
         load_tools(str(path))
     path.write_text(SCHEMA % ("{expression: {type: string, description: The arithmetic.}}", "[expression]"))
     assert [t.schema["function"]["name"] for t in load_tools(str(path))] == ["calc"]
+
+
+@tool
+def slow_lookup(key: str) -> str:
+    """A healthy tool that takes a while (a database under load).
+
+    Args:
+        key: What to look up.
+    """
+    import time
+
+    time.sleep(0.5)
+    return key
+
+
+def test_a_healthy_sync_tool_is_not_timed_out_by_its_own_queue():
+    """With 8 threads per tool, 32 concurrent calls of a 0.5 s tool queued four deep, and the calls
+    at the back ran past a 1.5 s timeout although none of them hung."""
+
+    async def go():
+        envs = [ToolEnv([slow_lookup], ToolLimits(timeout_s=1.5), lambda t: (t, False)) for _ in range(32)]
+        for i, env in enumerate(envs):
+            await env.start(f"e{i}", TASK)
+        turns = await asyncio.gather(*(env.run_turn(ParsedTurn(calls=[ToolCall("slow_lookup", {"key": f"k{i}"})]))
+                                       for i, env in enumerate(envs)))
+        return [turn[0]["content"] for turn in turns], sum(env.metrics["tool_timeouts"] for env in envs)
+
+    contents, timeouts = asyncio.run(go())
+    assert timeouts == 0 and contents == [f"k{i}" for i in range(32)]

@@ -75,12 +75,14 @@ def argument_problem(t: Tool, arguments: dict[str, Any]) -> str | None:
 class FunctionTool:
     """Adapts a plain (sync or async) function to the Tool protocol; stateless per instance.
 
-    A synchronous function runs on this tool's own daemon threads (at most `max_workers` at once),
-    never on the event loop or on threads the engine or the loop's shutdown wait for: a call that
-    hangs costs its episode one timeout, and a run or process can still end.
+    A synchronous function runs on this tool's own daemon threads (at most `max_workers` at once,
+    started as calls come), never on the event loop or on threads the engine or the loop's shutdown
+    wait for: a call that hangs costs its episode one timeout, and a run or process can still end.
+    Calls past `max_workers` wait, and the wait counts toward their timeout, so the default lets
+    every episode of a usual rollout (64 at once) call at the same time.
     """
 
-    def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None, max_workers: int = 8):
+    def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None, max_workers: int = 64):
         self.fn = fn
         self.schema = schema or function_schema(fn)
         self._threads = None if inspect.iscoroutinefunction(fn) else DaemonExecutor(
