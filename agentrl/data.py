@@ -71,13 +71,24 @@ def dataset_tasks(source: str, files: list[str], split: str, prompt_key: str, an
                 if limit is None or i < limit:
                     tasks.append(task)
             return _unique_ids(tasks, id_key)
-        ds, label = _load_dataset(BUILDERS[suffix], "train", files, files_key, limit), f"{files_key} row"
-    else:
-        ds, label = _load_dataset(source, split, limit=limit), f"data.source '{source}' row"
+        tasks = []
+        for f in files:  # one file at a time, so that a bad row names its file
+            if limit is not None and len(tasks) >= limit:
+                break
+            ds = _load_dataset(BUILDERS[suffix], "train", [f], files_key, None if limit is None else limit - len(tasks))
+            _check_columns(ds, keys, f)
+            tasks += [_row_task(row, f"{f} row {i + 1}", len(tasks) + i, *keys) for i, row in enumerate(ds)]
+        return _unique_ids(tasks, id_key)
+    ds = _load_dataset(source, split, limit=limit)
+    _check_columns(ds, keys, f"data.source '{source}'")
+    return _unique_ids([_row_task(row, f"data.source '{source}' row {i + 1}", i, *keys) for i, row in enumerate(ds)],
+                       id_key)
+
+
+def _check_columns(ds: Any, keys: tuple[str | None, ...], where: str) -> None:
     for key in keys if len(ds) else ():
         if key is not None and key not in ds.column_names:
-            raise ConfigError(f"data: column '{key}' not in {ds.column_names}")
-    return _unique_ids([_row_task(row, f"{label} {i + 1}", i, *keys) for i, row in enumerate(ds)], id_key)
+            raise ConfigError(f"{where}: column '{key}' not in {ds.column_names}")
 
 
 def _unique_ids(tasks: list[Task], id_key: str | None) -> list[Task]:

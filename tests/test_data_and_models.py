@@ -273,3 +273,16 @@ def test_two_rows_sharing_an_id_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.id_key 'id': rows 1 and 3 share the id 'a'$"):
         dataset_tasks("files", [str(path)], "train", "q", "answer", "id")
     assert len(dataset_tasks("files", [str(path)], "train", "q", "answer")) == 3  # row ids: row-0, row-1, row-2
+
+
+def test_a_bad_row_of_a_csv_set_names_its_file(tmp_path):
+    """Rows read through `datasets` were numbered across all files: 'data.files row 4' named none."""
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text("question,answer\nq1,1\nq2,2\n")
+    b.write_text("question,answer\nq3,3\nq4,\n")
+    with pytest.raises(ConfigError) as err:
+        dataset_tasks("files", [str(a), str(b)], "train", "question", "answer")
+    assert str(err.value) == f"{b} row 2: 'answer' is null (data.answer_key: null runs tasks without answers)"
+    tasks = dataset_tasks("files", [str(a), str(b)], "train", "question", "answer", limit=3)
+    assert [(t.id, t.prompt, t.answer) for t in tasks] == [("row-0", "q1", "1"), ("row-1", "q2", "2"),
+                                                            ("row-2", "q3", "3")]
