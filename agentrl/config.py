@@ -277,13 +277,6 @@ class EvalConfig(_Section):
 
 class RecipeConfig(_Section):
     name: str = Field("run", description="Run name; names the output directory.")
-
-    @field_validator("name")
-    @classmethod
-    def _one_component(cls, name: str) -> str:  # runs/<name> must stay a run of its own under runs/
-        if not name or name in (".", "..") or "/" in name or "\\" in name:
-            raise ValueError("must be one directory name (no '/', not empty, '.' or '..')")
-        return name
     output_dir: str | None = Field(None, description="Where outputs go (default runs/<name>).")
     seed: int = Field(0, ge=0, lt=2**63, description="Global seed.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
@@ -300,6 +293,10 @@ class RecipeConfig(_Section):
     @model_validator(mode="after")
     def _derive(self) -> "RecipeConfig":
         if self.output_dir is None:
+            name = self.name  # runs/<name> must stay a run of its own under runs/
+            if not name or name in (".", "..") or "/" in name or "\\" in name:
+                raise ValueError(f"name {name!r} names the output directory runs/<name> (output_dir unset), so it "
+                                 "must be one directory name (no '/', not empty, '.' or '..')")
             self.output_dir = str(Path("runs") / self.name)
         if self.data.arithmetic.min_digits > self.data.arithmetic.max_digits:
             raise ValueError("data.arithmetic.min_digits is larger than max_digits")

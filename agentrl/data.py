@@ -92,13 +92,13 @@ def _check_columns(ds: Any, keys: tuple[str | None, ...], where: str) -> None:
 
 
 def _unique_ids(tasks: list[Task], id_key: str | None) -> list[Task]:
-    """`tasks`, or a ConfigError naming an id two rows share: a task's id names its group of episodes."""
-    first: dict[str, int] = {}
+    """`tasks`, or a ConfigError naming the two rows that share an id: a task's id names its group."""
+    first: dict[str, Task] = {}
     for task in tasks:
-        row = first.setdefault(task.id, task.metadata["row"])
-        if id_key and row != task.metadata["row"]:
-            raise ConfigError(f"data.id_key '{id_key}': rows {row + 1} and {task.metadata['row'] + 1} share the id "
-                              f"{task.id!r}")
+        earlier = first.setdefault(task.id, task)
+        if id_key and earlier is not task:
+            raise ConfigError(f"{earlier.metadata['where']} and {task.metadata['where']} share the id {task.id!r} "
+                              f"(column '{id_key}')")
     return tasks
 
 
@@ -134,8 +134,8 @@ def _load_dataset(name: str, split: str, files: list[str] | None = None, files_k
     if files is not None and all(Path(f).stat().st_size == 0 for f in files):
         return []  # datasets cannot even infer a schema from empty files
     # CSV cells as written: pandas would read the answer 0012 as 12.0 and the ids 001 and 01 as one
-    options = {"features": _text_columns(files[0])} if name == "csv" and files else {}
     try:
+        options = {"features": _text_columns(files[0])} if name == "csv" and files else {}
         ds = (datasets.load_dataset(name, split=split) if files is None
               else datasets.load_dataset(name, data_files=files, split=split, **options))
     except Exception as e:  # a malformed file or a missing dataset: name it, without datasets' traceback
@@ -156,7 +156,15 @@ def _text_columns(path: str) -> Any:
 
     with open(path, newline="", encoding="utf-8-sig") as f:
         header = next(csv.reader(f), [])
-    return datasets.Features({column: datasets.Value("string") for column in header})
+    names: list[str] = []
+    for i, column in enumerate(header):  # as pandas names them: "Unnamed: 0" (a written index), "a.1"
+        column = column or f"Unnamed: {i}"
+        base, n = column, 0
+        while column in names:
+            n += 1
+            column = f"{base}.{n}"
+        names.append(column)
+    return datasets.Features({column: datasets.Value("string") for column in names})
 
 
 def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answer_key: str | None,
@@ -182,7 +190,8 @@ def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answ
     if not isinstance(tool_kwargs, dict) or not all(isinstance(v, dict) for v in tool_kwargs.values()):
         raise ConfigError(f"{where}: 'tool_kwargs' must map tool names to mappings of create() arguments")
     return Task(id=str(row[id_key]) if id_key else f"row-{index}", prompt=prompt,
-                answer=None if answer is None else str(answer), tool_kwargs=tool_kwargs, metadata={"row": index})
+                answer=None if answer is None else str(answer), tool_kwargs=tool_kwargs,
+                metadata={"row": index, "where": where})
 
 
 def _required(row: dict[str, Any], key: str, where: str, hint: str = "") -> Any:

@@ -34,9 +34,10 @@ def test_recipe_and_overrides():
     ("engine.seed=18446744073709551616", "engine.seed: Input should be less than 9223372036854775808"),
     ("sft.seed=-1", "sft.seed: Input should be greater than or equal to 0"),
     ("data.arithmetic.max_digits=200", "data.arithmetic.max_digits: Input should be less than or equal to 50"),
-    ("name=..", "name: must be one directory name (no '/', not empty, '.' or '..') (got '..')"),
-    ("name=/tmp", "name: must be one directory name (no '/', not empty, '.' or '..') (got '/tmp')"),
-    ("name=''", "name: must be one directory name (no '/', not empty, '.' or '..') (got '')"),
+    ("name=..", "name '..' names the output directory runs/<name> (output_dir unset), so it must be one directory "
+                "name (no '/', not empty, '.' or '..')"),
+    ("name=/tmp", "name '/tmp' names the output directory runs/<name>"),
+    ("name=''", "name '' names the output directory runs/<name>"),
     # the files were ignored and generated tasks ran instead
     ("data.files=[t.jsonl]", "data.files lists files, but data.source is 'arithmetic', which does not read them: "
                              "set data.source: files"),

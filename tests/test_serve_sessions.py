@@ -244,3 +244,28 @@ def test_a_full_store_forgets_idle_sessions_not_one_in_flight(tokenizer):
     service, in_flight_kept, recorded = asyncio.run(scenario())
     assert in_flight_kept and recorded == 1
     assert [service.sessions.get(k) is not None for k in "abc"] == [False, False, True]
+
+
+def test_a_session_whose_request_waits_for_its_lock_is_not_forgotten():
+    """Between a lock's release and its next waiter taking it, `locked()` is False: the store used
+    to take such a session for idle. It counts the requests holding or awaiting the lock instead."""
+    from agentrl.serve.sessions import SessionStore
+
+    store = SessionStore(max_sessions=1)
+    waiting = store.get_or_create("a")
+    waiting.in_flight = 1  # a request woken for the lock, not holding it yet
+    store.get_or_create("b")
+    assert store.get("a") is waiting
+    waiting.in_flight = 0
+    store.get_or_create("c")
+    assert [store.get(k) is not None for k in "abc"] == [False, False, True]
+
+
+def test_requests_leave_no_count_behind(tokenizer):
+    service = ChatService(ScriptedEngine(tokenizer, [ANSWER]), tokenizer, parse_hermes, ServeSettings(max_turns=1))
+    asyncio.run(ask(service, TASK.messages()))
+    try:
+        asyncio.run(ask(service, TASK.messages()))  # refused at the turn limit: an error path
+    except Exception:
+        pass
+    assert service.sessions.get("s").in_flight == 0

@@ -224,7 +224,9 @@ def normalize_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
                 fn["arguments"] = json.loads(fn["arguments"])
             except json.JSONDecodeError:
                 pass
-        normalized.append({"type": "function", "function": {"name": fn.get("name"), "arguments": fn.get("arguments", {})}})
+        kept = {"id": call["id"]} if isinstance(call, dict) and "id" in call else {}  # templates may render ids
+        normalized.append({**kept, "type": "function",
+                           "function": {"name": fn.get("name"), "arguments": fn.get("arguments", {})}})
     return {**message, "tool_calls": normalized}
 
 

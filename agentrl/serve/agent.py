@@ -197,8 +197,10 @@ class AgentRunner:
         except Exception as e:  # a refusal at a limit ends the episode; anything else fails it (below)
             failure = e
         finally:
-            tool_final = await env.finish()
-            session = await asyncio.wrap_future(server.submit(self.service.sessions.pop(session_id)))
+            try:
+                tool_final = await env.finish()
+            finally:  # cancelled while the tools finish: the session still closes
+                session = await asyncio.wrap_future(server.submit(self.service.sessions.pop(session_id)))
         session = session or Session(session_id)
         traj = to_trajectory(session, task.id, group_id)
         traj.weight_version = traj.weight_version if session.segments else self.engine.weight_version

@@ -113,6 +113,14 @@ class ChatService:
                                    code="session_closed")
         else:
             session = self.sessions.get_or_create(session_id)
+        session.in_flight += 1
+        try:
+            return await self._complete_in(session, session_id, request, renderer, messages, tools)
+        finally:
+            session.in_flight -= 1
+
+    async def _complete_in(self, session: Session, session_id: str, request: ChatRequest, renderer: ChatRenderer,
+                           messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
         async with session.lock:
             if self.settings.max_turns is not None and session.turns >= self.settings.max_turns:
                 session.refused = "max_turns"

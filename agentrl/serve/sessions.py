@@ -60,6 +60,7 @@ class Session:
     id: str
     segments: list[Segment] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a session at a time
+    in_flight: int = 0  # requests holding or waiting for the lock (a woken waiter has not taken it yet)
     turns: int = 0
     template_fallbacks: int = 0
     parse_errors: int = 0
@@ -187,7 +188,7 @@ class SessionStore:
             session = self._sessions[session_id] = Session(session_id, max_segments=self.max_segments)
             excess = len(self._sessions) - self.max_sessions
             if excess > 0:  # the oldest first; sessions in flight stay (the store may exceed its size meanwhile)
-                idle = (key for key, s in self._sessions.items() if s is not session and not s.lock.locked())
+                idle = (key for key, s in self._sessions.items() if s is not session and not s.in_flight)
                 for key in list(islice(idle, excess)):
                     del self._sessions[key]
         self._sessions.move_to_end(session_id)
