@@ -9,13 +9,13 @@ This is a quick look at finished runs, not a dashboard: TensorBoard (tracking.py
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentrl.data import jsonl_objects
 from agentrl.errors import ConfigError
+from agentrl.tools.base import finite_number
 
 # panel file name → (title, one subplot per key)
 LINE_PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -35,7 +35,7 @@ class Run:
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) where this run logged a finite number for `key`."""
-        points = [(row["step"], number) for row in self.rows if (number := _finite(row.get(key))) is not None]
+        points = [(row["step"], number) for row in self.rows if (number := finite_number(row.get(key))) is not None]
         return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -56,17 +56,6 @@ def read_run(run_dir: str | Path) -> list[dict[str, float]]:
     if not rows:
         raise ConfigError(f"{path}: no steps logged")
     return rows
-
-
-def _finite(value: Any) -> float | None:
-    """A logged number as a float, or None (text, NaN, infinity, an integer past float's range)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
 
 
 def labels_for(run_dirs: list[str | Path]) -> list[str]:

@@ -14,7 +14,6 @@ This module computes no statistics and changes no files besides the page it writ
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from markupsafe import Markup, escape
 
 from agentrl.data import jsonl_objects
 from agentrl.errors import ConfigError
+from agentrl.tools.base import finite_number
 
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 _REQUIRED = ("task_id", "group_id", "token_ids", "loss_mask", "messages")
@@ -111,7 +111,8 @@ def _malformed(record: dict[str, Any]) -> str | None:
               ("logprobs", record.get("logprobs") is None or numbers("logprobs", (int, float)), "a list of numbers"),
               ("messages", isinstance(messages, list) and all(isinstance(m, dict) and _calls_ok(m) for m in messages),
                "a list of objects (tool_calls a list of objects)"),
-              ("reward", record.get("reward") is None or _finite(record["reward"]), "a finite number")]
+              ("reward", record.get("reward") is None or finite_number(record["reward"]) is not None,
+               "a finite number")]
     bad = next(((key, what) for key, ok, what in checks if not ok), None)
     return f"{bad[0]} is {json.dumps(record.get(bad[0]))[:40]}, not {bad[1]}" if bad else None
 
@@ -120,13 +121,6 @@ def _calls_ok(message: dict[str, Any]) -> bool:
     calls = message.get("tool_calls")
     return calls is None or (isinstance(calls, list) and all(
         isinstance(c, dict) and isinstance(c.get("function", c), dict) for c in calls))
-
-
-def _finite(value: Any) -> bool:
-    try:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
-    except OverflowError:  # an integer past float's range
-        return False
 
 
 def run_model(run_dir: Path, model: str | None) -> str:

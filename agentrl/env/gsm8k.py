@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from agentrl.env.interaction import Turn
-from agentrl.tools.builtin.gsm8k import ground_truth_number, parse_number
+from agentrl.tools.builtin.gsm8k import checked_tolerance, ground_truth_number, parse_number
 from agentrl.types import Task
 
 
@@ -17,9 +16,7 @@ class GSM8KInteraction:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.max_attempts = max_attempts
-        if not (math.isfinite(tolerance) and tolerance >= 0):  # NaN or < 0 would mark every answer wrong
-            raise ValueError(f"tolerance must be a finite number of at least 0, got {tolerance}")
-        self.tolerance = tolerance
+        self.tolerance = checked_tolerance(tolerance)
         self._truth: float | None = None
         self._attempts = 0
 

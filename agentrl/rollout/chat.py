@@ -77,13 +77,13 @@ class ChatRenderer:
         for m in messages:
             # Arguments render inside the template's own call markup, where no marker can stand in
             # for them: special text there would be encoded as control tokens, so it is refused.
-            calls = json.dumps(m.get("tool_calls") or [], ensure_ascii=False)
+            calls = json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else ""
             found = next((s for s in self.special_texts if s in calls), None)
             if found:
                 raise SpecialTextError(f"a tool call's arguments contain the special token text {found!r}, which "
                                        "would become a control token")
-        special = [m for m in messages if m.get("role") != "system" and isinstance(m.get("content"), str)
-                   and any(t in m["content"] for t in self.special_texts)]
+        special = {id(m) for m in messages if m.get("role") != "system" and isinstance(m.get("content"), str)
+                   and any(t in m["content"] for t in self.special_texts)}
         if not special:
             return self.encode(text)
         mark = next((m for m in _MARKS if m not in text), None)
@@ -92,7 +92,7 @@ class ChatRenderer:
                                 "would keep it as text occurs in the conversation")
         marked, literals = [], []
         for message in messages:
-            if any(message is m for m in special):
+            if id(message) in special:
                 literals.append(message["content"])
                 message = {**message, "content": f"{mark}{len(literals) - 1}{mark}"}
             marked.append(message)

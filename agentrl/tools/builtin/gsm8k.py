@@ -49,6 +49,13 @@ def ground_truth_number(answer: str) -> float | None:
     return parse_number(answer.split("####")[-1])
 
 
+def checked_tolerance(tolerance: float) -> float:
+    """A relative answer tolerance, or a ValueError: NaN or one below 0 would mark every answer wrong."""
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite number of at least 0, got {tolerance}")
+    return tolerance
+
+
 class CheckAnswer:
     """Tells the model whether its final numeric answer is right."""
 
@@ -66,9 +73,7 @@ class CheckAnswer:
     }
 
     def __init__(self, tolerance: float = 1e-6):
-        if not (math.isfinite(tolerance) and tolerance >= 0):  # NaN or < 0 would mark every answer wrong
-            raise ValueError(f"tolerance must be a finite number of at least 0, got {tolerance}")
-        self.tolerance = tolerance
+        self.tolerance = checked_tolerance(tolerance)
         self._truth: dict[str, float | None] = {}
         self._solved: dict[str, bool] = {}
 
