@@ -56,6 +56,15 @@ class LoraSettings(_Section):
     target_modules: list[str] | str = Field("all-linear", description="Layers to adapt: module names, or "
                                                                       "'all-linear' (every linear but the head).")
 
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _modules(cls, value: Any) -> Any:
+        # Checked here so the error names the key alone, not pydantic's union branch (`.list[str]`).
+        names = [value] if isinstance(value, str) else value
+        if isinstance(names, list) and names and all(isinstance(v, str) and v.strip() for v in names):
+            return value
+        raise ValueError("expected a non-empty list of module names or one name such as 'all-linear'")
+
 
 Dtype = Literal["auto", "float32", "bfloat16"]
 DTYPE_AUTO = ("'auto': bfloat16 where the hardware computes in it faster (a CUDA device with bf16, or a CPU "
@@ -305,6 +314,11 @@ class RecipeConfig(_Section):
         if self.data.files and self.data.source != "files":
             raise ValueError(f"data.files lists files, but data.source is '{self.data.source}', which does not read "
                              "them: set data.source: files")
+        last_seed = self.engine.seed + self.trainer.engine_replicas - 1  # replica r samples with seed + r
+        if self.engine.name == "sglang" and last_seed >= 2**32:  # it would fail in SGLang's scheduler
+            raise ValueError(f"engine.seed {self.engine.seed} is too large for SGLang, which seeds NumPy with it "
+                             f"(+ r for engine replica r): engine.seed + trainer.engine_replicas - 1 must be below "
+                             f"2**32 (4294967296)")
         if self.sft.base_model is None:
             self.sft.base_model = self.model.path
         if self.sft.output is None:

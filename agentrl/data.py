@@ -77,12 +77,33 @@ def dataset_tasks(source: str, files: list[str], split: str, prompt_key: str, an
                 break
             ds = _load_dataset(BUILDERS[suffix], "train", [f], files_key, None if limit is None else limit - len(tasks))
             _check_columns(ds, keys, f)
-            tasks += [_row_task(row, f"{f} row {i + 1}", len(tasks) + i, *keys) for i, row in enumerate(ds)]
+            tasks += [_row_task(_columns(row), f"{f} row {i + 1}", len(tasks) + i, *keys) for i, row in enumerate(ds)]
         return _unique_ids(tasks, id_key)
     ds = _load_dataset(source, split, limit=limit)
     _check_columns(ds, keys, f"data.source '{source}'")
-    return _unique_ids([_row_task(row, f"data.source '{source}' row {i + 1}", i, *keys) for i, row in enumerate(ds)],
-                       id_key)
+    return _unique_ids([_row_task(_columns(row), f"data.source '{source}' row {i + 1}", i, *keys)
+                        for i, row in enumerate(ds)], id_key)
+
+
+def _columns(row: dict[str, Any]) -> dict[str, Any]:
+    """A row read through `datasets`, its columns as they are (a null cell stays null) and their
+    nested values `_unfilled`."""
+    return {column: _unfilled(value) for column, value in row.items()}
+
+
+def _unfilled(value: Any) -> Any:
+    """A row read through `datasets` without the nulls its schema filled in. A struct column has
+    one set of keys for every row, so a key a row never had reads as null (a parquet file written
+    from rows with different `tool_kwargs` tools, or messages only some of which have a `name`):
+    such keys are dropped, so that a tool's create() gets its defaults and a template sees no key
+    rather than a null. A null written in the file cannot be told from those and goes too. A
+    message (a mapping with a `role`) keeps its `content`, which may be null beside tool calls."""
+    if isinstance(value, dict):
+        kept = {k: _unfilled(v) for k, v in value.items() if v is not None}
+        return {"content": None, **kept} if "role" in kept and "content" in value else kept
+    if isinstance(value, list):
+        return [_unfilled(v) for v in value]
+    return value
 
 
 def _check_columns(ds: Any, keys: tuple[str | None, ...], where: str) -> None:

@@ -173,15 +173,37 @@ def load_model(name_or_path: str, dtype: str = "float32"):
         if adapter.is_file():
             from agentrl.trainer.lora import load_merged
 
-            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
-            if not isinstance(base, str) or not base:
-                raise ConfigError(f"model '{name_or_path}': {adapter} names no base model "
-                                  "('base_model_name_or_path')")
+            base = adapter_base(name_or_path, Path(path))
             return load_merged(path, base, dtype).eval()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise ConfigError(f"model '{name_or_path}': loading failed ({str(e).splitlines()[0]})") from None
     return model.eval()
+
+
+def adapter_base(name_or_path: str, path: Path) -> str:
+    """The base model a saved adapter names, checked down its chain of adapters (an adapter may be
+    trained on an adapter: LoRA RL after LoRA SFT), so that a chain that comes back to itself is an
+    error instead of endless recursion. Bases are paths as peft saved them, read from the working
+    directory as transformers reads them."""
+    shown, seen = [path], [path.resolve()]  # as given (for messages), and as compared
+    base = None
+    while True:
+        config = shown[-1] / "adapter_config.json"
+        try:
+            named = json.loads(config.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ConfigError(f"model '{name_or_path}': {config} cannot be read ({e})") from None
+        if not isinstance(named, str) or not named:
+            raise ConfigError(f"model '{name_or_path}': {config} names no base model ('base_model_name_or_path')")
+        base = base or named
+        if Path(named).resolve() in seen:
+            chain = " -> ".join(str(p) for p in shown + [Path(named)])
+            raise ConfigError(f"model '{name_or_path}': its adapters name each other as base model ({chain})")
+        if not (Path(named) / "adapter_config.json").is_file():
+            return base
+        shown.append(Path(named))
+        seen.append(Path(named).resolve())
 
 
 def plain_attention_layers(config) -> set[str]:

@@ -33,6 +33,15 @@ def test_recipe_and_overrides():
     # torch and random take 64-bit seeds: this one used to fail after the model loaded, with a traceback
     ("engine.seed=18446744073709551616", "engine.seed: Input should be less than 9223372036854775808"),
     ("sft.seed=-1", "sft.seed: Input should be greater than or equal to 0"),
+    # pydantic named its union branch: 'model.lora.target_modules.list[str].0: Input should be a valid string'
+    ("model.lora.target_modules=[1,2]", "model.lora.target_modules: expected a non-empty list of module names or "
+                                        "one name such as 'all-linear' (got [1, 2])"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules: expected a non-empty list"),
+    ("model.lora.target_modules=''", "model.lora.target_modules: expected a non-empty list"),
+    # SGLang seeds NumPy (below 2**32): its scheduler failed at start, after the engine began loading
+    ("engine.name=sglang engine.seed=4294967296", "engine.seed 4294967296 is too large for SGLang"),
+    ("engine.name=sglang engine.seed=4294967295 trainer.engine_replicas=2", "engine.seed + trainer.engine_replicas - 1 "
+                                                                           "must be below 2**32"),
     ("data.arithmetic.max_digits=200", "data.arithmetic.max_digits: Input should be less than or equal to 50"),
     ("name=..", "name '..' names the output directory runs/<name> (output_dir unset), so it must be one directory "
                 "name (no '/', not empty, '.' or '..')"),
@@ -44,7 +53,7 @@ def test_recipe_and_overrides():
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
-        load_recipe("recipes/rollout_cpu.yaml", [override])
+        load_recipe("recipes/rollout_cpu.yaml", override.split(" "))
     assert message in str(err.value)
 
 

@@ -251,6 +251,19 @@ def test_an_adapter_without_its_base_model_is_a_config_error(tmp_path):
                               "('base_model_name_or_path')")
 
 
+def test_adapters_naming_each_other_as_base_are_a_config_error(tmp_path):
+    """A base may be an adapter itself (LoRA RL after LoRA SFT); two naming each other recursed
+    until Python's recursion limit."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    for adapter, base in ((first, second), (second, first)):
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+    with pytest.raises(ConfigError) as err:
+        load_model(str(first))
+    assert str(err.value) == (f"model '{first}': its adapters name each other as base model "
+                              f"({first} -> {second} -> {first})")
+
+
 def test_csv_cells_are_read_as_written(tmp_path):
     """pandas' type guessing turned the answer 0012 into '12.0', and the ids 001 and 01 into one."""
     path = tmp_path / "tasks.csv"
@@ -291,3 +304,26 @@ def test_a_bad_row_of_a_csv_set_names_its_file(tmp_path):
     tasks = dataset_tasks("files", [str(a), str(b)], "train", "question", "answer", limit=3)
     assert [(t.id, t.prompt, t.answer) for t in tasks] == [("row-0", "q1", "1"), ("row-1", "q2", "2"),
                                                             ("row-2", "q3", "3")]
+
+
+def test_a_parquet_files_filled_in_nulls_are_not_read_as_values(tmp_path):
+    """A struct column has one set of keys for every row: a key a row never had reads back as
+    null. Rows whose `tool_kwargs` named different tools were refused ('must map tool names to
+    mappings'), and a message's absent `name` reached the template as a null."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": [{"role": "user", "content": "q1"}], "answer": "1",
+             "tool_kwargs": {"calculator": {"precision": 2}}},
+            {"question": [{"role": "system", "content": "s"}, {"role": "user", "content": "q2", "name": "bob"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+             "answer": "2", "tool_kwargs": {"other": {"x": 1, "y": 2}}}]
+    path = tmp_path / "tasks.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert pq.read_table(path).to_pylist()[0]["tool_kwargs"]["other"] is None  # what the file holds
+    first, second = dataset_tasks("files", [str(path)], "train", "question", "answer")
+    assert first.tool_kwargs == {"calculator": {"precision": 2}} and second.tool_kwargs == {"other": {"x": 1, "y": 2}}
+    assert first.prompt == [{"role": "user", "content": "q1"}]
+    assert second.prompt[1] == {"role": "user", "content": "q2", "name": "bob"}
+    assert second.prompt[2]["content"] is None and second.prompt[2]["tool_calls"][0]["function"]["name"] == "f"

@@ -183,3 +183,34 @@ def test_an_episode_cancelled_while_its_tools_start_releases_them(tokenizer):
 
     asyncio.run(cancel_while_starting())
     assert log[:2] == ["create ledger", "create stuck"] and "release ledger" in log
+
+
+async def answers_a_cut_reply_agent(ctx, task):
+    """Answers the malformed block of a reply cut off by its budget, then asks again."""
+    client = ctx.openai_client()
+    messages = task.messages(ctx.system_prompt)
+    response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools,
+                                                    max_tokens=40)
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "length"
+    messages.append(message.model_dump(exclude_none=True))
+    messages += await ctx.run_tools(message.tool_calls, message.content.strip())  # trimmed, as agents may
+    await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
+
+
+def test_an_agent_answering_a_cut_off_reply_counts_its_malformed_block_once(tokenizer):
+    """The endpoint counts a reply's malformed blocks only when the turn stopped; `run_tools` took
+    every block it answered for one the endpoint had counted, so a cut-off reply's block counted
+    -1 + 1 = 0 times."""
+    cut = f"{BAD} and then some more words that run on past the budget of this turn, and on and on"
+    engine = ScriptedEngine(tokenizer, [cut, ANSWER])
+    assert len(engine.turns[0]) > 41  # longer than the 40-token budget: cut off, no stop token
+    runner = agent_runner(answers_a_cut_reply_agent, engine, tokenizer)
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    assert traj.error is None and traj.metrics["parse_errors"] == 1
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [BAD_ERROR]
+    # A finished turn's block, counted when sampled and answered too, counts once:
+    # test_an_agent_tells_the_model_its_call_was_broken_as_the_builtin_loop_does.

@@ -47,10 +47,15 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.schemas = [t.schema for t in tools] or None
         added = getattr(tokenizer, "added_tokens_decoder", {}).values()
-        self.special_texts = {t for t in tokenizer.all_special_tokens if t} | {t.content for t in added if t.special}
+        # sorted: an error names the same token in every process (a set's order follows the hash seed)
+        self.special_texts = sorted({t for t in tokenizer.all_special_tokens if t} | {t.content for t in added
+                                                                                     if t.special})
         turn_end = template_turn_end(tokenizer)  # probed once: the stop ids and the fallback's turn end
         self.stop_ids = _stop_ids(tokenizer, turn_end)
         self.turn_end_id = tokenizer.eos_token_id if turn_end is None else turn_end
+        # System messages are the recipe's, rendered as written; a client of `agentrl serve` writes
+        # its own, which are kept as text like every other message's (the endpoint sets this).
+        self.literal_system = False
 
     def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
@@ -69,7 +74,8 @@ class ChatRenderer:
         `<|im_end|>` would otherwise end its turn and open a turn the policy never wrote. Such a
         content is encoded as plain text (what OpenAI's API does with user text); everything else,
         as the whole rendering, so ids stay those of `encode(text)` whenever no content holds a
-        special token's text. System messages are the recipe's and are rendered as written.
+        special token's text. System messages are the recipe's and are rendered as written, unless
+        `literal_system` says a client wrote them.
 
         Where each such content sits is found by rendering again (`remake` makes `text` from other
         messages) with a marker in its place, never by searching for the content, which could match
@@ -82,7 +88,8 @@ class ChatRenderer:
             if found:
                 raise SpecialTextError(f"a tool call's arguments contain the special token text {found!r}, which "
                                        "would become a control token")
-        special = {id(m) for m in messages if m.get("role") != "system" and isinstance(m.get("content"), str)
+        special = {id(m) for m in messages if (self.literal_system or m.get("role") != "system")
+                   and isinstance(m.get("content"), str)
                    and any(t in m["content"] for t in self.special_texts)}
         if not special:
             return self.encode(text)

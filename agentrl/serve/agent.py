@@ -38,6 +38,7 @@ import json
 import threading
 import time
 import uuid
+from collections import Counter
 from typing import Any, Awaitable, Callable
 
 from agentrl.config import RecipeConfig
@@ -73,6 +74,7 @@ class AgentContext:
         self.system_prompt = system_prompt  # rollout.system_prompt: task.messages(ctx.system_prompt)
         self._env = env
         self._parser = parser
+        self.reparsed: list[str] = []  # the malformed blocks run_tools answered, as parse errors
 
     @property
     def headers(self) -> dict[str, str]:
@@ -108,11 +110,26 @@ class AgentContext:
                 error_ids.append(call.get("id"))
         malformed = self._parser(content).errors if content else []
         answers = await self._env.run_turn(ParsedTurn(calls=calls, errors=errors + malformed))
-        self._env.metrics["parse_errors"] -= len(malformed)  # the endpoint counted them when it sampled them
+        self.reparsed += malformed  # a finished turn's were counted when sampled: see `answered_twice`
         answered = len(call_ids + error_ids)
         return [{"role": "tool", "tool_call_id": call_id, "content": m["content"]}
                 for call_id, m in zip(call_ids + error_ids, answers)] + \
             [{"role": "tool", "name": "parse_error", "content": m["content"]} for m in answers[answered:]]
+
+
+def answered_twice(reparsed: list[str], uncounted: list[str]) -> int:
+    """How many of the malformed blocks an agent answered through `run_tools` the endpoint had
+    already counted. It counts a turn's blocks when the turn is sampled to its end; the blocks of
+    turns cut off by their budget (`uncounted`, each matched once, by its parse error, which names
+    the block and not where the reply was cut or how the agent trimmed it) were counted nowhere."""
+    left = Counter(uncounted)
+    twice = 0
+    for error in reparsed:
+        if left[error] > 0:
+            left[error] -= 1
+        else:
+            twice += 1
+    return twice
 
 
 def load_agent(config: RecipeConfig) -> AgentFn:
@@ -205,7 +222,8 @@ class AgentRunner:
         traj = to_trajectory(session, task.id, group_id)
         traj.weight_version = traj.weight_version if session.segments else self.engine.weight_version
         traj.metrics = {**env.metrics, **traj.metrics,
-                        "parse_errors": env.metrics["parse_errors"] + traj.metrics["parse_errors"]}
+                        "parse_errors": env.metrics["parse_errors"] + traj.metrics["parse_errors"]
+                        - answered_twice(ctx.reparsed, session.uncounted_errors)}
         if failure is not None and not (session.refused and from_refusal(failure, REFUSAL_CODES[session.refused])):
             traj.finish, traj.error = "error", failure_text(failure)
             return traj

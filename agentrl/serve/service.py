@@ -95,6 +95,18 @@ class ChatService:
     def renderer(self, tools: list[dict[str, Any]] | None) -> ChatRenderer:
         renderer = ChatRenderer(self.tokenizer, [])
         renderer.schemas = tools  # the request's schemas, exactly as sent, are what the template shows
+        if self.settings.open_sessions_only:
+            # Agent episodes: the agent is the recipe's code, sending the recipe's system prompt and
+            # tools, rendered as the builtin loop renders them.
+            return renderer
+        renderer.literal_system = True  # a client's system messages are its own text, kept as text
+        # Schemas render inside the template's own markup, where special text would become
+        # control tokens: refused.
+        schemas = json.dumps(tools or "", ensure_ascii=False)
+        found = next((t for t in renderer.special_texts if t in schemas), None)
+        if found:
+            raise RequestError(f"tools: a schema contains the special token text {found!r}, which would become "
+                               "a control token")
         return renderer
 
     async def complete(self, request: ChatRequest, session_id: str | None) -> dict[str, Any]:
@@ -132,6 +144,8 @@ class ChatService:
             turn = self._interpret(renderer, plan.history, completion)
             commit_turn(session, plan, completion, turn.recorded, turn.reply, turn.exact)
             session.parse_errors += turn.parse_errors
+            if completion.finish != "stop" and self.settings.open_sessions_only:  # agent episodes (agent.py)
+                session.uncounted_errors += self.parser(turn.reply["content"]).errors
         return self._response(request, turn.reply, completion, len(plan.prompt_ids), renderer)
 
     def _sampling(self, request: ChatRequest, prompt_len: int, session: Session | None) -> SamplingParams:

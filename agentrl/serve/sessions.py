@@ -64,6 +64,9 @@ class Session:
     turns: int = 0
     template_fallbacks: int = 0
     parse_errors: int = 0
+    # Agent episodes: the malformed call blocks of turns cut off by their budget, which (unlike a
+    # finished turn's) are not counted in `parse_errors` when sampled; see agent.answered_twice.
+    uncounted_errors: list[str] = field(default_factory=list)
     refused: Literal["max_turns", "length"] | None = None  # a limit refused a request after the last sampled turn
     max_segments: int = 8  # segments whose records are kept; older ones are forgotten
     forgotten_segments: int = 0
@@ -198,8 +201,11 @@ class SessionStore:
         return self._sessions.get(session_id)
 
     def open(self, session_id: str) -> Session:
-        """A new session under `session_id` (agent episodes open theirs before the agent runs)."""
-        return self.get_or_create(session_id)
+        """A new session under `session_id`: agent episodes open theirs before the agent runs and
+        pop it when it ends, so the store holds only running episodes and evicts none of them (an
+        episode whose session is idle while its tools run would otherwise lose its turns)."""
+        session = self._sessions[session_id] = Session(session_id, max_segments=self.max_segments)
+        return session
 
     async def pop(self, session_id: str) -> Session | None:
         """Remove a session at once (a request arriving from now on starts a new one with its id)
