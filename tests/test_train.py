@@ -608,6 +608,25 @@ def test_lora_trains_adapters_only_and_the_engine_gets_merged_weights(tmp_path, 
     torch.testing.assert_close(torch.tensor(sequence_logprob_of(reloaded)), trained.sum(), atol=1e-4, rtol=0)
 
 
+def test_saving_adapters_never_looks_the_base_model_up_on_the_hub(tmp_path, tokenizer, monkeypatch):
+    """peft's default save checked the hub for a base model named other than by a directory (a
+    builtin's name), to see whether the vocabulary was resized: a lookup off this machine."""
+    import peft.utils.save_and_load as peft_save
+
+    from agentrl.config import LoraSettings
+    from agentrl.trainer.checkpoint import save_model
+    from agentrl.trainer.lora import add_lora
+
+    def no_lookup(repo_id, filename, **kwargs):
+        raise AssertionError(f"looked {repo_id}/{filename} up on the hub")
+
+    monkeypatch.setattr(peft_save, "check_file_exists_on_hf_hub", no_lookup)
+    model = add_lora(make_tiny_llama(), LoraSettings(rank=4), str(tmp_path))
+    model.peft_config["default"].base_model_name_or_path = "smollm2-135m-instruct"  # a builtin's name
+    save_model(model, tokenizer, tmp_path / "final")
+    assert (tmp_path / "final" / "adapter_model.safetensors").is_file()
+
+
 def sequence_logprob_of(model) -> float:
     return sum(batched_logprobs(model, [SEQUENCE], [MASK], 2, 1.0, 4096)[0])
 
