@@ -444,11 +444,14 @@ def test_an_adapter_of_a_builtin_model_records_its_name_not_this_machines_cache(
     from agentrl.trainer.lora import add_lora
     from tests.conftest import make_tiny_llama
 
-    add_lora(make_tiny_llama(), LoraSettings(rank=4), "smollm2-135m-instruct").save_pretrained(tmp_path / "builtin")
+    # saved as save_model saves adapters: without peft's hub lookup of the base (test_train.py)
+    add_lora(make_tiny_llama(), LoraSettings(rank=4), "smollm2-135m-instruct").save_pretrained(
+        tmp_path / "builtin", save_embedding_layers=False)
     config = json.loads((tmp_path / "builtin" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "smollm2-135m-instruct"
     make_tiny_llama().save_pretrained(tmp_path / "base")
-    add_lora(make_tiny_llama(), LoraSettings(rank=4), str(tmp_path / "base")).save_pretrained(tmp_path / "local")
+    add_lora(make_tiny_llama(), LoraSettings(rank=4), str(tmp_path / "base")).save_pretrained(
+        tmp_path / "local", save_embedding_layers=False)
     config = json.loads((tmp_path / "local" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
 
