@@ -186,24 +186,22 @@ def adapter_base(name_or_path: str, path: Path) -> str:
     trained on an adapter: LoRA RL after LoRA SFT), so that a chain that comes back to itself is an
     error instead of endless recursion. Bases are paths as peft saved them, read from the working
     directory as transformers reads them."""
-    shown, seen = [path], [path.resolve()]  # as given (for messages), and as compared
-    base = None
+    chain, bases = [path], []  # the adapters as given (for messages), and the bases they name
     while True:
-        config = shown[-1] / "adapter_config.json"
+        config = chain[-1] / "adapter_config.json"
         try:
             named = json.loads(config.read_text()).get("base_model_name_or_path")
         except (OSError, ValueError, AttributeError) as e:
             raise ConfigError(f"model '{name_or_path}': {config} cannot be read ({e})") from None
         if not isinstance(named, str) or not named:
             raise ConfigError(f"model '{name_or_path}': {config} names no base model ('base_model_name_or_path')")
-        base = base or named
-        if Path(named).resolve() in seen:
-            chain = " -> ".join(str(p) for p in shown + [Path(named)])
-            raise ConfigError(f"model '{name_or_path}': its adapters name each other as base model ({chain})")
+        bases.append(named)
+        if Path(named).resolve() in {p.resolve() for p in chain}:
+            names = " -> ".join(str(p) for p in chain + [Path(named)])
+            raise ConfigError(f"model '{name_or_path}': its adapters name each other as base model ({names})")
         if not (Path(named) / "adapter_config.json").is_file():
-            return base
-        shown.append(Path(named))
-        seen.append(Path(named).resolve())
+            return bases[0]
+        chain.append(Path(named))
 
 
 def plain_attention_layers(config) -> set[str]:

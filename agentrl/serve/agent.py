@@ -122,14 +122,7 @@ def answered_twice(reparsed: list[str], uncounted: list[str]) -> int:
     already counted. It counts a turn's blocks when the turn is sampled to its end; the blocks of
     turns cut off by their budget (`uncounted`, each matched once, by its parse error, which names
     the block and not where the reply was cut or how the agent trimmed it) were counted nowhere."""
-    left = Counter(uncounted)
-    twice = 0
-    for error in reparsed:
-        if left[error] > 0:
-            left[error] -= 1
-        else:
-            twice += 1
-    return twice
+    return sum((Counter(reparsed) - Counter(uncounted)).values())
 
 
 def load_agent(config: RecipeConfig) -> AgentFn:

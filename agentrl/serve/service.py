@@ -102,7 +102,7 @@ class ChatService:
         renderer.literal_system = True  # a client's system messages are its own text, kept as text
         # Schemas render inside the template's own markup, where special text would become
         # control tokens: refused.
-        schemas = json.dumps(tools or "", ensure_ascii=False)
+        schemas = json.dumps(tools, ensure_ascii=False) if tools else ""
         found = next((t for t in renderer.special_texts if t in schemas), None)
         if found:
             raise RequestError(f"tools: a schema contains the special token text {found!r}, which would become "

@@ -118,14 +118,12 @@ def save_model(model: torch.nn.Module, tokenizer: Any, path: str | Path, rank: i
     if rank != 0:
         return
     with atomic_directory(path) as staging:
-        if hasattr(model, "peft_config"):  # a LoRA model writes its adapters only
-            # peft's default ("auto") looks the base model up on the hub when its name is not a
-            # directory (a builtin's is not), to see whether the vocabulary was resized; training
-            # never resizes it, and nothing here may reach the network.
-            model.save_pretrained(staging, state_dict=state, save_embedding_layers=False)
-        else:
-            model.save_pretrained(staging, state_dict=state)
-        if state is not None and not hasattr(model, "peft_config"):
+        lora = hasattr(model, "peft_config")  # a LoRA model writes its adapters only
+        # peft's default ("auto") looks the base model up on the hub when its name is not a
+        # directory (a builtin's is not), to see whether the vocabulary was resized; training
+        # never resizes it, and nothing here may reach the network.
+        model.save_pretrained(staging, state_dict=state, **({"save_embedding_layers": False} if lora else {}))
+        if state is not None and not lora:
             # save_pretrained records the FSDP wrapper's class name; record the model's own
             config = model.config.__class__.from_pretrained(staging)
             config.architectures = [unsharded_class(model).__name__]
