@@ -17,9 +17,15 @@ import json
 import os
 import pickle
 import re
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
 import threading
 import time
+import uuid
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -279,6 +285,7 @@ def test_every_weight_reaches_the_disk_update_ties_in_one_shard_once(fake_server
                      for update in fake_server.loaded)
     assert first == {f"layers.{i}.weight": [float(i)] * 4 for i in range(6)}
     assert second == {"embed": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "norm": [1.0] * 4}
+    engine.close()
 
 
 def test_server_engine_retries_then_names_url_route_and_cause(monkeypatch):
@@ -498,3 +505,137 @@ def test_rollouts_in_two_threads_keep_their_own_connections(loopback_server):
         thread.join(30)
     engine.close()
     assert [type(r).__name__ for r in results] == ["Completion"] * 32, [r for r in results if isinstance(r, Exception)]
+
+
+@pytest.fixture
+def fake_sglang_on_loopback():
+    """FakeServer behind a real HTTP server on 127.0.0.1, for code that builds its own engine (a
+    training run): (url, the FakeServer)."""
+    fake = FakeServer()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.answer(b"")
+
+        def do_POST(self):
+            self.answer(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+        def answer(self, body: bytes):
+            reply = fake(httpx.Request(self.command, f"http://127.0.0.1{self.path}", content=body))
+            self.send_response(reply.status_code)
+            self.send_header("Content-Length", str(len(reply.content)))
+            self.end_headers()
+            self.wfile.write(reply.content)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", fake
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_training_run_deletes_its_weight_files_and_stops_its_tool_servers_when_it_ends(
+        tmp_path, tiny_model_dir, fake_sglang_on_loopback, backend):
+    """The rollout workers' engines and tools used to be left to the process's exit (which Ray's
+    kill does not run): every run on an SGLang server left its last weights, a copy of the model,
+    in the temporary directory, and an MCP server per rollout worker ran on after train() returned."""
+    from agentrl.rollout.run import run_rollout
+    from agentrl.train import train
+    from tests.test_mcp_tool import mcp_file, server_running
+
+    url, fake = fake_sglang_on_loopback
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(textwrap.dedent(f"""\
+        model: {{path: {tiny_model_dir}, dtype: float32}}
+        output_dir: {tmp_path / "run"}
+        engine: {{name: sglang, sglang: {{mode: server, url: '{url}'}}}}
+        data: {{source: arithmetic, num_tasks: 2}}
+        rollout: {{group_size: 2, max_turns: 1, max_new_tokens_per_turn: 4,
+                   tool_configs: ['{mcp_file(tmp_path, ["multiply"], marker)}']}}
+        trainer: {{steps: 2, tasks_per_step: 1, dtype: float32, backend: {backend}}}
+        reward: {{function: null}}
+    """))
+
+    def stopped(marker: str) -> bool:  # the server exits a moment after its session closes
+        deadline = time.monotonic() + 10
+        while server_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not server_running(marker)
+
+    if backend == "local":
+        train(load_recipe(recipe, for_training=True))
+    else:  # through the command, as a user runs it: a local Ray whose actors this test cannot reach
+        ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        try:
+            done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", str(recipe)], capture_output=True,
+                                  text=True, timeout=600, env={**os.environ, "RAY_TMPDIR": ray_tmp,
+                                                               "RAY_USAGE_STATS_ENABLED": "0"})
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    disk_updates = [body["model_path"] for _, path, body in fake.requests if path == "/update_weights_from_disk"]
+    assert len(disk_updates) == 2 and all(fake.loaded)  # a sync after each step, each read by the server
+    assert not any(Path(d).exists() for d in disk_updates)
+    assert stopped(marker)
+
+    if backend == "local":
+        run_rollout(load_recipe(recipe, ["output_dir=" + str(tmp_path / "rollout")]))
+        assert (tmp_path / "rollout" / "rollout.jsonl").is_file() and stopped(marker)
+
+
+def test_a_disk_update_that_cannot_be_written_keeps_no_files_and_sends_nothing(fake_server, monkeypatch):
+    """A full disk in the middle of the shards used to leave them in the temporary directory, where
+    nothing deleted them, not even close()."""
+    engine = SGLangServerEngine("http://127.0.0.1:1", {}, update_bucket_bytes=16)  # a bucket per weight
+    engine.update_weights([("w", torch.ones(4))], version=1, flush_cache=False)
+    kept = engine._weights_dir
+    written: list[Path] = []
+
+    def save_until_full(shard, path):
+        if written:
+            raise OSError(28, "No space left on device")
+        save_file(shard, path)
+        written.append(Path(path))
+
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(sglang_server, "save_file", save_until_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        engine.update_weights([("a", torch.ones(4)), ("b", torch.ones(4))], version=2, flush_cache=False)
+    assert len(written) == 1 and not written[0].parent.exists()
+    assert engine._weights_dir == kept and kept.is_dir() and engine.weight_version == 1  # the server's weights
+    assert [p for _, p, _ in fake_server.requests].count("/update_weights_from_disk") == 1
+    engine.close()
+    assert not kept.exists()
+
+
+def test_closing_a_rollout_closes_every_part_and_never_raises(fake_server, tokenizer, capsys):
+    """A tool connection that fails to close must not keep the engine's files, nor replace the
+    run's own outcome (close_runner runs in `finally` blocks)."""
+    from types import SimpleNamespace
+
+    from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+    from agentrl.rollout.run import close_runner
+    from agentrl.tools.parsers import parse_hermes
+
+    class GoneSource:
+        def close(self):
+            raise ConnectionResetError("the tool server went away")
+
+    schema = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    tool = SimpleNamespace(name="lookup", schema=schema, source=GoneSource())
+    engine = SGLangServerEngine("http://127.0.0.1:1", {})
+    engine.update_weights([("w", torch.ones(4))], version=1)
+    weights_dir = engine._weights_dir
+    close_runner(EpisodeRunner(engine, tokenizer, [tool], parse_hermes, EpisodeSettings()))
+    assert not weights_dir.exists()
+    assert capsys.readouterr().err == ("agentrl: warning: closing the rollout's tools failed: "
+                                       "ConnectionResetError: the tool server went away\n")

@@ -40,3 +40,8 @@ class Engine(Protocol):
         resumes "weights", updates them, then resumes "kv_cache", so both never peak together with
         the new weights in flight."""
         ...
+
+    def close(self) -> None:
+        """Stop what the engine started (server processes, threads) and delete the files it wrote;
+        the engine takes no requests after it. Whoever built the engine closes it."""
+        ...

@@ -29,6 +29,7 @@ from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
 from agentrl.tools.base import REWARD_LIMIT, Tool, finite_number
+from agentrl.tools.loader import close_tools
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import PluginError, call_plugin, failure_text
 from agentrl.types import SamplingParams, Task, Trajectory
@@ -67,6 +68,11 @@ class EpisodeRunner:
         self.interaction_factory = interaction_factory
         self.reward_fn = reward_fn
         self.stop_ids = self.renderer.stop_ids
+
+    def close(self) -> None:
+        """Close what stands behind the tools (MCP server processes, tool-server clients). The
+        engine is not the runner's: whoever built it closes it (run.close_runner)."""
+        close_tools(self.tools)
 
     async def run(self, task: Task, group_id: str) -> Trajectory:
         """One episode; any unexpected failure ends it with finish='error', never raises."""

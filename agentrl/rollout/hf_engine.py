@@ -289,6 +289,13 @@ class HFEngine:
                 self.memory_saver.resume(tag)
                 self._released.discard(tag)
 
+    def close(self) -> None:
+        """Nothing lives outside this process: the decode thread stops once no request waits. The
+        prefix cache's keys and values are dropped so that their memory goes with the last request."""
+        with self._lock:
+            self.prefix_cache.clear()
+            self.stats["kv_cache_bytes"] = 0
+
     def _check_resident(self, what: str, tags: tuple[str, ...]) -> None:
         """A RuntimeError instead of reading memory release_memory handed back (a crash on CUDA)."""
         missing = [tag for tag in tags if tag in self._released]

@@ -31,6 +31,7 @@ from agentrl.rollout.hf_engine import HFEngine
 from agentrl.rollout.memory_saver import memory_saver_for
 from agentrl.tools.loader import close_tools, load_tool_files
 from agentrl.tools.parsers import get_parser
+from agentrl.tools.threads import failure_text
 from agentrl.types import Task
 
 if TYPE_CHECKING:
@@ -117,13 +118,17 @@ def build_runner(config: RecipeConfig, engine: Engine | None = None, files_key: 
     """User files first (cheap, fail fast), then the tokenizer, the model and the engine. With
     `rollout.agent` the runner is an AgentRunner: the agent function against the endpoint."""
     tools, interaction, reward_fn = load_user_parts(config)
-    agent = None
-    if config.rollout.agent:
-        from agentrl.serve.agent import load_agent  # the HTTP stack only when an agent needs it
+    try:  # the tools' servers are running already
+        agent = None
+        if config.rollout.agent:
+            from agentrl.serve.agent import load_agent  # the HTTP stack only when an agent needs it
 
-        agent = load_agent(config)
-    tasks = load_tasks(config, files_key) if with_tasks else []
-    tokenizer, engine = load_policy(config, engine, needs_tools=bool(tools) or agent is not None)
+            agent = load_agent(config)
+        tasks = load_tasks(config, files_key) if with_tasks else []
+        tokenizer, engine = load_policy(config, engine, needs_tools=bool(tools) or agent is not None)
+    except BaseException:
+        close_tools(tools)
+        raise
     if agent is not None:
         from agentrl.serve.agent import AgentRunner
 
@@ -132,6 +137,22 @@ def build_runner(config: RecipeConfig, engine: Engine | None = None, files_key: 
     runner = EpisodeRunner(engine, tokenizer, tools, get_parser(config.rollout.parser), episode_settings(config),
                            interaction, reward_fn)
     return runner, tasks
+
+
+def close_runner(runner: EpisodeRunner | AgentRunner) -> None:
+    """What build_runner opened: the runner's tools (and agent endpoint), then its engine (a
+    launched SGLang server and its weight files). Never raises (close_quietly)."""
+    close_quietly("the rollout's tools", runner.close)
+    close_quietly("the rollout engine", runner.engine.close)
+
+
+def close_quietly(what: str, close: Callable[[], Any]) -> None:
+    """Cleanup as a run ends: a failure is printed, naming `what`, and the run's outcome (or the
+    error that ended it, which a raise here would replace) stands."""
+    try:
+        close()
+    except Exception as e:
+        print(f"agentrl: warning: closing {what} failed: {failure_text(e)}", file=sys.stderr)
 
 
 def write_run_config(config: RecipeConfig) -> None:
@@ -151,12 +172,15 @@ def run_rollout(config: RecipeConfig) -> dict[str, float]:
     """`agentrl rollout`: episodes for every task × group, written to <output_dir>/rollout.jsonl."""
     print(to_yaml(config), file=sys.stderr)
     runner, tasks = build_runner(config)
-    write_run_config(config)
-    started = time.perf_counter()
     out = Path(config.output_dir) / "rollout.jsonl"
     summary_path = out.with_name("rollout_summary.json")
-    trajectories = run_streamed(runner, tasks, config.rollout.group_size, config.rollout.max_concurrent_episodes,
-                                out, stale=(summary_path,))
+    try:
+        write_run_config(config)
+        started = time.perf_counter()
+        trajectories = run_streamed(runner, tasks, config.rollout.group_size, config.rollout.max_concurrent_episodes,
+                                    out, stale=(summary_path,))
+    finally:
+        close_runner(runner)
     summary = summarize(trajectories, time.perf_counter() - started)
     summary_path.write_text(json.dumps(summary, indent=2))
     print(f"wrote {len(trajectories)} trajectories to {out}")
@@ -179,11 +203,14 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
         raise ConfigError("eval.files: held-out files are needed when data.source is not 'arithmetic'")
     eval_config = RecipeConfig.model_validate({**config.model_dump(), **overrides})
     runner, tasks = build_runner(eval_config, files_key="eval.files" if e.files else "data.files")
-    write_run_config(config)
-    started = time.perf_counter()
     out = Path(config.output_dir) / f"eval_{Path(config.model.path).name}.jsonl"  # one file per evaluated model
-    trajectories = run_streamed(runner, tasks, 1, config.rollout.max_concurrent_episodes, out,
-                                stale=(out.with_suffix(".json"),))
+    try:
+        write_run_config(config)
+        started = time.perf_counter()
+        trajectories = run_streamed(runner, tasks, 1, config.rollout.max_concurrent_episodes, out,
+                                    stale=(out.with_suffix(".json"),))
+    finally:
+        close_runner(runner)
     summary = summarize(trajectories, time.perf_counter() - started)
     # A failed episode counts as wrong: accuracy is over every held-out task.
     summary["accuracy"] = sum(t.metrics.get("outcome_reward", 0.0) for t in trajectories

@@ -237,8 +237,10 @@ class SGLangEngine:
 
     def close(self) -> None:
         """Stop the scheduler processes (sglang kills every child process of this one) and the loop."""
-        self._engine.shutdown()
-        self._thread.stop()
+        try:
+            self._engine.shutdown()
+        finally:
+            self._thread.stop()
 
 
 def build_sglang_engine(config: RecipeConfig) -> Engine:

@@ -8,6 +8,7 @@ This module does not import sglang: the server is a subprocess.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -48,7 +49,8 @@ def launch_server(args: dict[str, Any], timeout_s: float) -> tuple[subprocess.Po
         env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     log = tempfile.NamedTemporaryFile("w", prefix="sglang-server-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "sglang.launch_server", *cli_flags(args), "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with log:  # the server writes to its own copy of the descriptor; the log stays for whoever reads it
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     atexit.register(stop_server, process)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -71,12 +73,15 @@ def launch_server(args: dict[str, Any], timeout_s: float) -> tuple[subprocess.Po
 def stop_server(process: subprocess.Popen) -> None:
     """Stop the server and the scheduler processes it started (its own process group)."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
         try:
+            os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=30)
+        except ProcessLookupError:  # it ended on its own meanwhile
+            pass
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def log_tail(path: str, lines: int = 5) -> str:

@@ -121,7 +121,11 @@ class SGLangServerEngine:
         self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
         self._clients: dict[asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, AsyncIterator[None]]] = {}
         self._clients_lock = threading.Lock()  # loops in several threads may ask for theirs (_async_client)
-        self.check_health()
+        try:
+            self.check_health()
+        except BaseException:  # a server launched above is stopped, not left to the process's exit
+            self.close()
+            raise
 
     def _failure(self, route: str, cause: str) -> RuntimeError:
         where = f"SGLang server at {self.url}: {route} failed ({cause})"
@@ -261,16 +265,20 @@ class SGLangServerEngine:
         # shared memory. Across shards a tie is written under both names: a tensor seen in an earlier
         # bucket may be gone, and a fresh one (a merged LoRA weight, a gathered shard) may have
         # taken its address, so an address alone does not make a tie there.
-        for i, bucket in enumerate(buckets):
-            shard: dict[str, torch.Tensor] = {}
-            seen: set[tuple] = set()
-            for name, t in bucket:
-                key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-                if key not in seen:
-                    seen.add(key)
-                    shard[name] = t.contiguous()
-            if shard:
-                save_file(shard, str(directory / f"model-{i:05d}.safetensors"))
+        try:
+            for i, bucket in enumerate(buckets):
+                shard: dict[str, torch.Tensor] = {}
+                seen: set[tuple] = set()
+                for name, t in bucket:
+                    key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+                    if key not in seen:
+                        seen.add(key)
+                        shard[name] = t.contiguous()
+                if shard:
+                    save_file(shard, str(directory / f"model-{i:05d}.safetensors"))
+        except BaseException:  # a full disk, a failed gather: nothing was sent, nothing is kept
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
         try:
             self._post("/update_weights_from_disk", {"model_path": str(directory), "flush_cache": False})
         finally:

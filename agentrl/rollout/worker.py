@@ -12,7 +12,7 @@ import torch
 
 from agentrl.config import RecipeConfig
 from agentrl.rollout.collect import run_episodes
-from agentrl.rollout.run import build_runner
+from agentrl.rollout.run import build_runner, close_runner
 from agentrl.types import Task, Trajectory
 
 
@@ -53,6 +53,11 @@ class RolloutWorker:
     def set_rng_state(self, state: torch.Tensor | None) -> None:
         if state is not None:
             self.engine.generator.set_state(state)
+
+    def close(self) -> None:
+        """The tools' processes and connections, then the engine: a launched SGLang server stops and
+        the weight files of the last sync are deleted (the trainer calls this as the run ends)."""
+        close_runner(self.runner)
 
     def version(self) -> int:
         """The weight version the engine holds."""

@@ -54,7 +54,7 @@ from agentrl.serve.server import BackgroundServer, serve_settings
 from agentrl.serve.service import REFUSAL_CODES, ChatService
 from agentrl.serve.sessions import Session, to_trajectory
 from agentrl.tools.base import Tool
-from agentrl.tools.loader import resolve_reference
+from agentrl.tools.loader import close_tools, resolve_reference
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import call_plugin, failure_text
 from agentrl.types import Task, ToolCall, Trajectory
@@ -167,9 +167,11 @@ class AgentRunner:
         return self._server
 
     def close(self) -> None:
+        """Stop the endpoint, then close what stands behind the tools; the engine is its builder's."""
         if self._server is not None:
             self._server.stop()
             self._server = None
+        close_tools(self.tools)
 
     async def run(self, task: Task, group_id: str) -> Trajectory:
         """One episode; any unexpected failure ends it with finish='error', never raises."""

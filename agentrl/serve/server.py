@@ -101,7 +101,7 @@ class BackgroundServer:
 
 def run_serve(config: RecipeConfig, host: str, port: int) -> None:
     """`agentrl serve`: the recipe's model behind an OpenAI-compatible endpoint until interrupted."""
-    from agentrl.rollout.run import episode_settings, load_policy
+    from agentrl.rollout.run import close_quietly, episode_settings, load_policy
     from agentrl.serve.app import create_app
     from agentrl.serve.service import ChatService
     from agentrl.tools.parsers import get_parser
@@ -117,4 +117,6 @@ def run_serve(config: RecipeConfig, host: str, port: int) -> None:
         uvicorn.Server(uvicorn.Config(create_app(service), log_level="info")).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C it caught
         pass
+    finally:
+        close_quietly("the engine", engine.close)
     print("agentrl serve: stopped", file=sys.stderr)

@@ -34,6 +34,11 @@ from agentrl.trainer.ray_groups import RaySink, Supervisor, WorkerGroup
 from agentrl.trainer.roles import Roles, make_critic, make_policy, make_reference
 from agentrl.types import Task, Trajectory
 
+# How long shutdown waits for the rollout workers to close what they opened before killing them:
+# the tools' connections (seconds) and a launched SGLang server, which gets 30 s after SIGTERM.
+CLOSE_TIMEOUT_S = 60.0
+
+
 def make_rollout(config: RecipeConfig, pad_id: int, ranks: Ranks) -> RolloutWorker:
     return RolloutWorker(config, replica=ranks.rank)
 
@@ -65,6 +70,13 @@ class RoleActor:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
+
+    def close(self) -> None:
+        """The worker's own close, where it has one (a rollout worker: its engine and tools). Ray's
+        kill runs no atexit hook and no finally block in the actor."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
 
     def sentinel(self) -> None:
         """Never returns while the actor lives; its failure is how the driver learns of a death."""
@@ -236,7 +248,14 @@ class RayRoles(Roles):
         self.critic.save(path)
 
     def shutdown(self) -> None:
-        for _, actor in getattr(self, "actors", []):
+        actors = getattr(self, "actors", [])
+        # Only the rollout workers open anything outside their memory; the training ranks may be
+        # stuck in a collective with a dead rank. A worker that is dead, or still busy when the
+        # time is up, is killed as it is.
+        closing = [actor.close.remote() for label, actor in actors if label.startswith("rollout")]
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
+        for _, actor in actors:
             ray.kill(actor, no_restart=True)
         if getattr(self, "group", None) is not None:
             remove_placement_group(self.group)

@@ -109,7 +109,10 @@ class Roles:
 
     def save_critic(self, path: Path) -> None: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Release what the roles opened outside their memory (engine servers, their weight files,
+        tool processes); under Ray also the actors and their placement."""
+        ...
 
     def save_checkpoint(self, run_dir: Path, step: int, history: list[dict[str, Any]]) -> Path:
         """checkpoints/step_<step>/: sharded policy (and critic) state, then the driver's state."""
@@ -176,7 +179,7 @@ class LocalRoles(Roles):
         self.critic.save(path)
 
     def shutdown(self) -> None:
-        return None
+        self.rollout.close()
 
 
 def ray_environment(private: bool) -> None:
