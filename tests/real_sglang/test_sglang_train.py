@@ -1,17 +1,25 @@
-"""`agentrl train` with engine.name=sglang: two GRPO steps through the CLI, SGLang in the process.
+"""`agentrl train` with engine.name=sglang: two GRPO steps through the CLI, SGLang in the process
+and as a server the run launches.
 
 SmolLM2 in float32 on both sides, so the engine's sampling logprobs equal the trainer's to float32
 noise on every step; step 2 samples with the weights synced after step 1, so a lost sync would
 show as a gap of the size of the update. The reward is a character-count parity of the final reply,
-so groups get mixed rewards and every step moves the weights.
+so groups get mixed rewards and every step moves the weights. A launched server receives the
+weights as safetensors shards in a temporary directory; the run deletes it and stops the server
+when it ends.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from tests.real_sglang.episodes import REAL_SGLANG, record
 
@@ -26,12 +34,28 @@ def length_parity(task, messages):
 '''
 
 
-def test_grpo_steps_through_the_cli_with_the_sglang_engine(tmp_path):
+def processes_with(variable: str) -> list[int]:
+    """Processes whose environment holds `variable` (NAME=value): the run's and its children's."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and variable.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # ended while we looked, or not ours to read
+            pass
+    return found
+
+
+@pytest.mark.parametrize("mode", ["in_process", "server"])
+def test_grpo_steps_through_the_cli_with_the_sglang_engine(tmp_path, mode):
     (tmp_path / "parity_reward.py").write_text(REWARD_PLUGIN)
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run_tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # the run's TMPDIR; short: SGLang's sockets live there
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TMPDIR": run_tmp}
     done = subprocess.run(
         [sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", "engine.name=sglang",
+         f"engine.sglang.mode={mode}",
          "model.path=smollm2-135m-instruct", "model.dtype=float32", "trainer.dtype=float32",
          f"output_dir={out}", "reward.function=parity_reward:length_parity", "data.num_tasks=4",
          "trainer.steps=2", "trainer.tasks_per_step=2", "rollout.group_size=4", "rollout.max_turns=2",
@@ -46,6 +70,10 @@ def test_grpo_steps_through_the_cli_with_the_sglang_engine(tmp_path):
     for row in rows:
         assert row["rollout_logprob_diff"] < 1e-4, row["rollout_logprob_diff"]
     assert f"saved {out / 'final'}" in done.stdout
-    record(train_time_sync_s=[round(r["time_sync_s"], 2) for r in rows],
-           train_time_rollout_s=[round(r["time_rollout_s"], 1) for r in rows],
-           train_rollout_logprob_diff=[r["rollout_logprob_diff"] for r in rows])
+    assert not processes_with(f"TMPDIR={run_tmp}")  # no server or scheduler outlived the run
+    assert not list(Path(run_tmp).glob("agentrl-weights-*"))  # the last sync's shards are gone
+    shutil.rmtree(run_tmp)
+    prefix = "train_" if mode == "in_process" else "train_server_"
+    record(**{prefix + "time_sync_s": [round(r["time_sync_s"], 2) for r in rows],
+              prefix + "time_rollout_s": [round(r["time_rollout_s"], 1) for r in rows],
+              prefix + "rollout_logprob_diff": [r["rollout_logprob_diff"] for r in rows]})
