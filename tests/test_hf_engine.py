@@ -407,6 +407,30 @@ def test_a_cancelled_caller_stops_its_row_and_a_cancelled_waiting_request_never_
     assert engine.stats["requests"] == 1 and 0 < engine.stats["generated_tokens"] < 500
 
 
+def test_results_for_an_event_loop_that_closed_are_dropped_without_an_error(tiny_model, monkeypatch):
+    """An interrupted rollout tears its event loop down while rows still decode: handing their
+    results to the closed loop used to raise in the decode thread (two tracebacks on every Ctrl-C)."""
+    import threading
+
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    loop = asyncio.new_event_loop()
+
+    async def start() -> list[asyncio.Future]:
+        requests = [asyncio.ensure_future(engine.generate(PROMPTS[0], greedy(40))),
+                    asyncio.ensure_future(engine.generate(PROMPTS[1], greedy(120)))]
+        while engine.stats["requests"] < 2:
+            await asyncio.sleep(0.01)
+        return requests
+
+    requests = loop.run_until_complete(start())
+    loop.close()
+    assert engine.wait_idle(60)
+    assert errors == [] and engine.stats["generated_tokens"] == 160  # both rows ran to their budgets
+    assert not any(r.done() for r in requests)  # nobody was told: their loop is gone
+
+
 def test_the_slot_attention_is_sdpa_outside_mixed_passes_and_is_not_saved(tmp_path):
     """The engine switches its model's attention to `agentrl_slots` (packed_attention.py): every
     ordinary forward pass (the trainer's, `score`'s, a padded batch) must give exactly SDPA's

@@ -109,8 +109,39 @@ def test_broken_json_in_tool_call(tokenizer):
 def test_unknown_tool_and_bad_arguments(tokenizer):
     traj, tools = run(tokenizer, call("search", query="x") + call("calculator", expr="1+1"))
     assert tools[0]["content"] == "Error: unknown tool 'search'; available: calculator, explode, flood, sleepy."
-    assert tools[1]["content"] == "Error: bad arguments for calculator: 'expression' is a required property."
+    assert tools[1]["content"] == "Error: bad arguments for calculator: unexpected argument 'expr' (it takes expression)."
     assert traj.metrics["tool_errors"] == 2
+    traj, tools = run(tokenizer, call("calculator"))
+    assert tools[0]["content"] == "Error: bad arguments for calculator: 'expression' is a required property."
+
+
+@tool
+def tagged(x: int, nullable: float = 1.0, tags: list[str] | None = None) -> str:
+    """Echoes its arguments.
+
+    Args:
+        x: A number.
+        nullable: A parameter whose name is a schema keyword.
+        tags: Optional tags.
+    """
+    return f"{x} {nullable} {tags}"
+
+
+def test_a_functions_optional_parameter_takes_the_null_its_schema_offers_and_nothing_unknown():
+    """transformers writes `X | None` as `nullable: true`, which the model reads but jsonschema
+    ignores: a null the schema offered was refused as 'not of type array'. An argument the function
+    does not take used to reach it and fail as a TypeError, as if the tool had broken."""
+    from agentrl.tools.base import argument_problem
+
+    assert tagged.schema["function"]["parameters"]["properties"]["tags"]["nullable"] is True
+    assert argument_problem(tagged, {"x": 1, "tags": None}) is None
+    assert argument_problem(tagged, {"x": 1, "tags": ["a"], "nullable": 2.5}) is None
+    assert argument_problem(tagged, {"x": 1, "tags": [3]}) == "bad arguments for tagged: 3 is not of type 'string'."
+    assert argument_problem(tagged, {"x": 1, "nullable": None}) == ("bad arguments for tagged: None is not of "
+                                                                   "type 'number'.")
+    assert argument_problem(tagged, {"x": 1, "z": 3, "a": 0}) == ("bad arguments for tagged: unexpected argument "
+                                                                 "'a', 'z' (it takes nullable, tags, x).")
+    assert argument_problem(FunctionTool(lambda **kw: "ok", schema=tagged.schema), {"x": 1, "z": 3}) is None
 
 
 def test_calls_over_the_per_turn_limit_get_an_error(tokenizer):

@@ -34,7 +34,7 @@ from agentrl.rollout.kv_cache import PrefixKVCache, check_cache_layout, plan_reu
 from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
-from agentrl.rollout.pending import PendingRequests, Request, check_request, resolve
+from agentrl.rollout.pending import PendingRequests, Request, check_request, deliver
 from agentrl.rollout.packed_attention import install, packed
 from agentrl.types import Completion, SamplingParams
 
@@ -85,7 +85,7 @@ class HFEngine:
             threading.Thread(target=self._serve, name="agentrl-decode").start()
         except Exception as e:  # no thread: every waiting request fails, and the next one asks again
             for waiting in self._pending.abandon():
-                waiting.future.get_loop().call_soon_threadsafe(resolve, waiting.future, e)
+                deliver(waiting.future, e)
 
     def _serve(self) -> None:
         """The decode thread: one running batch after another until no request waits."""
@@ -123,8 +123,7 @@ class HFEngine:
 
         def settle(row: Row, result: Completion | Exception) -> None:
             settled.add(id(row))
-            future = row.owner.future
-            future.get_loop().call_soon_threadsafe(resolve, future, result)
+            deliver(row.owner.future, result)
 
         try:
             # The KV cache and activations are allocated in the region release_memory frees.

@@ -51,6 +51,17 @@ def resolve(future: asyncio.Future, result: Completion | Exception) -> None:
         future.set_result(result)
 
 
+def deliver(future: asyncio.Future, result: Completion | Exception) -> None:
+    """resolve() scheduled in the caller's event loop, from the decode thread. A loop that has
+    closed meanwhile (the run was interrupted and its loop torn down) has no one left to tell."""
+    loop = future.get_loop()
+    try:
+        loop.call_soon_threadsafe(resolve, future, result)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+
+
 class PendingRequests:
     def __init__(self) -> None:
         self._requests: list[Request] = []

@@ -62,14 +62,46 @@ def argument_problem(t: Tool, arguments: dict[str, Any]) -> str | None:
     """Why `arguments` do not fit the tool's parameters, or None. A schema that cannot be applied
     (a `$ref` to nowhere in a schema the loader never saw) is reported the same way, not raised."""
     name = tool_name(t)
+    accepted = getattr(t, "parameter_names", None)  # a function's own: it takes no other keyword
+    unexpected = sorted(set(arguments) - accepted) if accepted is not None else []
+    if unexpected:
+        return (f"bad arguments for {name}: unexpected argument {', '.join(map(repr, unexpected))} "
+                f"(it takes {', '.join(sorted(accepted)) or 'none'}).")
     try:
-        jsonschema.validate(arguments, t.schema["function"].get("parameters", {}))
+        jsonschema.validate(arguments, with_nullable(t.schema["function"].get("parameters", {})))
     except jsonschema.ValidationError as e:
         return f"bad arguments for {name}: {e.message}."
     except Exception as e:  # noqa: BLE001 - jsonschema raises referencing, schema and type errors alike
         detail = as_text(f"{type(e).__name__}: {e}").splitlines()[0][:200]
         return f"the arguments for {name} cannot be checked, its parameters schema is broken ({detail})."
     return None
+
+
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_DATA = {"enum", "const", "default", "examples"}  # values, not schemas
+
+
+def with_nullable(schema: Any) -> Any:
+    """The schema with OpenAPI's `nullable: true` (what transformers' get_json_schema writes for an
+    `X | None` parameter, and what the model reads) spelt as JSON Schema: also null. jsonschema
+    ignores the keyword, so a null the schema offers would otherwise be refused."""
+    if isinstance(schema, list):
+        return [with_nullable(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    inner: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "nullable":
+            continue
+        if key in _DATA:
+            inner[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names → schemas: a name is not a keyword
+            inner[key] = {name: with_nullable(sub) for name, sub in value.items()}
+        else:
+            inner[key] = with_nullable(value)
+    if schema.get("nullable") is True:
+        return {"anyOf": [inner, {"type": "null"}]}
+    return inner
 
 
 class FunctionTool:
@@ -85,6 +117,7 @@ class FunctionTool:
     def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None, max_workers: int = 64):
         self.fn = fn
         self.schema = schema or function_schema(fn)
+        self.parameter_names = keyword_names(fn)
         self._threads = None if inspect.iscoroutinefunction(fn) else DaemonExecutor(
             max_workers, name=getattr(fn, "__name__", "tool"))
 
@@ -107,6 +140,18 @@ class FunctionTool:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+
+def keyword_names(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The keywords `fn` can be called with; None when it takes **kwargs (or has no signature)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters
+                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
 def function_schema(fn: Callable[..., Any]) -> dict[str, Any]:
