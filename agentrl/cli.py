@@ -152,11 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, _, text) in RECIPE_COMMANDS.items():
         command = commands.add_parser(name, help=text)
         command.add_argument("recipe", help="recipe YAML file")
-        command.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.group_size=8")
+        command.add_argument("overrides", nargs="*", default=[],  # a default: argparse lists them as required
+                             help="dotted key=value overrides, e.g. rollout.group_size=8")
         command.set_defaults(func=_recipe_command)
     serve = commands.add_parser("serve", help="an OpenAI-compatible chat endpoint on the recipe's model")
     serve.add_argument("recipe", help="recipe YAML file")
-    serve.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.temperature=0.7")
+    serve.add_argument("overrides", nargs="*", default=[],
+                       help="dotted key=value overrides, e.g. rollout.temperature=0.7")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000; 0: a free one)")
     serve.set_defaults(func=_serve)

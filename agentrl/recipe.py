@@ -12,7 +12,7 @@ into it.
 
 from __future__ import annotations
 
-import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -178,16 +178,21 @@ def check_devices(config: RecipeConfig, keys: tuple[str, ...]) -> None:
 
 def check_output_dirs(config: RecipeConfig, keys: tuple[str, ...]) -> None:
     """Each directory named at `keys` (dotted) can be made and written to: it is no file, no parent
-    of it is a file, and the nearest one that exists is writable; or a ConfigError naming the key,
-    before a run's work rather than after it. Nothing is created here."""
+    of it is a file, and a file can be made in the nearest one that exists; or a ConfigError naming
+    the key, before a run's work rather than after it. Nothing is left behind: the probe file is
+    anonymous. A probe rather than os.access, which says yes to root on read-only file systems
+    and on /proc."""
     for key in keys:
         path = Path(config_value(config, key))
         existing = next(p for p in (path, *path.parents) if p.exists())
         if not existing.is_dir():
             where = "" if existing == path else f" cannot be created: '{existing}'"
             raise ConfigError(f"{key}: '{path}'{where} is a file, not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key}: '{existing}' is not writable")
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{key}: '{existing}' is not writable ({e.strerror or e})") from None
 
 
 def config_value(config: BaseModel, key: str) -> Any:

@@ -352,3 +352,17 @@ def test_an_output_directory_that_cannot_be_made_stops_the_command_first(tmp_pat
                                f"{key}={value}", "model.path=/nonexistent", "sft.base_model=/nonexistent"],
                               capture_output=True, text=True, timeout=120)
         assert (done.returncode, done.stderr) == (2, f"agentrl: error: recipes/quickstart.yaml: {key}: {message}\n")
+    # Where no file can be made, whatever the permission bits tell root (os.access said yes to /proc).
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/quickstart.yaml",
+                           "output_dir=/proc/agentrl-run", "model.path=/nonexistent"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith(
+        "agentrl: error: recipes/quickstart.yaml: output_dir: '/proc' is not writable ("), done.stderr
+
+
+def test_a_command_without_its_recipe_names_only_the_recipe_as_missing():
+    """Overrides are optional; argparse used to list them as required too."""
+    for command in ("rollout", "serve"):
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        assert done.stderr.endswith(f"agentrl {command}: error: the following arguments are required: recipe\n")

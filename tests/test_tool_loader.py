@@ -210,3 +210,12 @@ def test_a_tool_file_with_a_repeated_key_names_both_lines(tmp_path):
                     "    class: agentrl.tools.builtin.calculator.calculator\n")
     with pytest.raises(ConfigError, match=f"^{path}: key 'class' appears twice \\(lines 2 and 3\\)$"):
         load_tool_files([path])
+
+
+def test_a_tool_file_the_recipe_lists_but_that_is_not_there_names_the_recipe_key(tmp_path):
+    from agentrl.errors import ConfigError
+    from agentrl.tools.loader import load_tool_files
+
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=f"^rollout.tool_configs: {missing}: file not found$"):
+        load_tool_files(["tool_configs/calculator.yaml", missing])
