@@ -21,6 +21,7 @@ It reports one PASS/FAIL line per check and never changes the template; fixing o
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -203,7 +204,11 @@ def run_doctor(model: str, tools: str | None = None, chat_template: str | None =
     tool_list = load_tools(tools) if tools else build_tools({"class": "agentrl.tools.builtin.calculator:calculator"})
     if not tool_list:
         raise ConfigError(f"{tools}: no tools to check the template with")
-    doctor = Doctor(load_tokenizer(model, chat_template, needs_tools=True), tool_list, parser)
+    try:
+        tokenizer = load_tokenizer(model, chat_template, needs_tools=True)
+    except ConfigError as e:  # it names the recipe key; here the flag stands for it
+        raise ConfigError(re.sub(r"^model\.chat_template:", "--chat-template:", str(e))) from None
+    doctor = Doctor(tokenizer, tool_list, parser)
     checks = doctor.run()
     for check in checks:
         print(check.line())

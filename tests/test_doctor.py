@@ -76,7 +76,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
 
     missing = tmp_path / "missing.jinja"
     assert main(["doctor", "--model", "smollm2-135m-instruct", "--chat-template", str(missing)]) == 2
-    assert capsys.readouterr().err == (f"agentrl: error: model.chat_template: '{missing}' is neither a builtin "
+    assert capsys.readouterr().err == (f"agentrl: error: --chat-template: '{missing}' is neither a builtin "
                                        "(hermes) nor a file\n")
     assert main(["doctor", "--model", "smollm2-135m-instruct", "--parser", "xml"]) == 2
     assert capsys.readouterr().err == "agentrl: error: --parser: unknown parser 'xml' (known: hermes)\n"
