@@ -45,6 +45,15 @@ def server_running(marker: str) -> bool:
     return False
 
 
+def server_stopped(marker: str, timeout_s: float = 10.0) -> bool:
+    """Whether the server with `marker` is gone within `timeout_s`: it exits a moment after its
+    session closes."""
+    deadline = time.monotonic() + timeout_s
+    while server_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not server_running(marker)
+
+
 def call(name: str, **arguments) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
@@ -87,10 +96,7 @@ def test_episodes_call_an_mcp_tool_across_event_loops(tmp_path, tokenizer):
 
     assert server_running(marker)
     multiply.source.close()
-    deadline = time.monotonic() + 10
-    while server_running(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not server_running(marker)  # closing the session stopped the server
+    assert server_stopped(marker)  # closing the session stopped the server
 
 
 def test_allow_list_name_the_server_lacks_is_a_config_error(tmp_path):
@@ -199,11 +205,9 @@ def test_a_driver_that_only_checks_the_tool_files_leaves_no_server_running(tmp_p
     tools = load_tools(path)
     assert server_running(marker)
     close_tools(tools)  # both tools share one server: closed once
-    time.sleep(0.5)
-    assert not server_running(marker)
+    assert server_stopped(marker)
 
     config = load_recipe("recipes/quickstart.yaml",
                          [f"rollout.tool_configs=[{path}]", "model.path=smollm2-135m-instruct"])
     tasks, tokenizer = load_driver_parts(config)
-    time.sleep(0.5)
-    assert tasks and tokenizer is not None and not server_running(marker)
+    assert tasks and tokenizer is not None and server_stopped(marker)

@@ -547,7 +547,7 @@ def test_a_training_run_deletes_its_weight_files_and_stops_its_tool_servers_when
     in the temporary directory, and an MCP server per rollout worker ran on after train() returned."""
     from agentrl.rollout.run import run_rollout
     from agentrl.train import train
-    from tests.test_mcp_tool import mcp_file, server_running
+    from tests.test_mcp_tool import mcp_file, server_stopped
 
     url, fake = fake_sglang_on_loopback
     marker = f"agentrl-mcp-{uuid.uuid4().hex}"
@@ -563,12 +563,6 @@ def test_a_training_run_deletes_its_weight_files_and_stops_its_tool_servers_when
         reward: {{function: null}}
     """))
 
-    def stopped(marker: str) -> bool:  # the server exits a moment after its session closes
-        deadline = time.monotonic() + 10
-        while server_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return not server_running(marker)
-
     if backend == "local":
         train(load_recipe(recipe, for_training=True))
     else:  # through the command, as a user runs it: a local Ray whose actors this test cannot reach
@@ -583,11 +577,11 @@ def test_a_training_run_deletes_its_weight_files_and_stops_its_tool_servers_when
     disk_updates = [body["model_path"] for _, path, body in fake.requests if path == "/update_weights_from_disk"]
     assert len(disk_updates) == 2 and all(fake.loaded)  # a sync after each step, each read by the server
     assert not any(Path(d).exists() for d in disk_updates)
-    assert stopped(marker)
+    assert server_stopped(marker)
 
     if backend == "local":
         run_rollout(load_recipe(recipe, ["output_dir=" + str(tmp_path / "rollout")]))
-        assert (tmp_path / "rollout" / "rollout.jsonl").is_file() and stopped(marker)
+        assert (tmp_path / "rollout" / "rollout.jsonl").is_file() and server_stopped(marker)
 
 
 def test_a_disk_update_that_cannot_be_written_keeps_no_files_and_sends_nothing(fake_server, monkeypatch):
