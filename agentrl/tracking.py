@@ -87,9 +87,10 @@ class RunLogger:
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._wandb_run = None
+        self._wandb, self._wandb_run = None, None
         if wandb:
-            self._wandb_run = _import_wandb(wandb).init(
+            self._wandb = _import_wandb(wandb)
+            self._wandb_run = self._wandb.init(
                 project=wandb, name=self.run_dir.name, dir=str(self.run_dir), config=dict(config))
         self.metrics_path = self.run_dir / "metrics.jsonl"
         # The kept lines go to a new file that replaces the old one, so a crash here loses nothing.
@@ -142,6 +143,10 @@ class RunLogger:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+            # wandb's service process stops now rather than at exit: an in-process SGLang engine,
+            # closed as the run ends, kills every child process, and wandb's exit hook would then
+            # fail on the lost connection (a traceback after every such run).
+            self._wandb.teardown()
 
     def __enter__(self) -> RunLogger:
         return self

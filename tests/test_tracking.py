@@ -127,6 +127,7 @@ def test_wandb_receives_project_config_and_grouped_scalars(tmp_path, monkeypatch
         class Run:
             def log(self, data, step=None): calls.append(("log", data, step))
             def finish(self): calls.append(("finish",))
+        def teardown(): calls.append(("teardown",))
         def init(**kwargs):
             calls.append(("init", kwargs))
             return Run()
@@ -141,4 +142,4 @@ def test_wandb_receives_project_config_and_grouped_scalars(tmp_path, monkeypatch
     assert calls == [("init", {"project": "agentrl-runs", "name": "grpo-1", "dir": str(run_dir),
                                "config": {"seed": 3}}),
                      ("log", {"reward/mean": 0.5, "tools/calculator/latency_s": 0.25}, 1),
-                     ("finish",)]
+                     ("finish",), ("teardown",)]  # the service goes with the run (see RunLogger.close)
