@@ -2,7 +2,7 @@
 turn from a request's messages into the dicts a chat template renders.
 
 Only what a token-exact policy server can honour is accepted: one choice, no streaming, no stop
-strings, no penalties or token biases, no forced tool choice, no structured output, no top
+strings, no penalties or token biases, no tool choice but 'auto', no structured output, no top
 alternatives in `logprobs`. Such options are refused with a message naming them rather than
 ignored, because ignoring them would hand a client something other than what it asked for; their
 neutral values (null, zero, `logit_bias: {}`, `response_format: {"type": "text"}`) are accepted.
