@@ -6,6 +6,7 @@ over gloo, an engine replica in its own actor, the tiny model from conftest.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -253,3 +254,43 @@ def test_a_ray_address_where_something_else_listens_fails_at_once_and_a_real_hea
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and the head processes it started
         head.wait()
+
+
+def session_processes(sid: int) -> list[int]:
+    """Processes of session `sid` (field 6 of /proc/PID/stat), zombies left out."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # ended while we looked
+            pass
+    return found
+
+
+def test_sigterm_to_the_driver_of_a_ray_run_stops_it_like_ctrl_c(tmp_path, tiny_model_dir, env, ray_tmp):
+    """ray.init put a C++ handler of its own on SIGTERM in the driver: a supervisor's SIGTERM (a
+    container's stop) ended the run at once with a stack dump and status 134, closing nothing."""
+    out = tmp_path / "run"
+    process = subprocess.Popen(train_command(tiny_model_dir, out, "trainer.backend=ray", "trainer.steps=50"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**env, "RAY_TMPDIR": ray_tmp}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():  # a step done
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)  # to the driver alone, as `docker stop` sends it
+        _, stderr = process.communicate(timeout=180)
+        assert process.returncode == 143, stderr[-3000:]
+        assert stderr.splitlines()[-1] == "agentrl: terminated by SIGTERM"
+        deadline = time.monotonic() + 30  # the run's own Ray went down with it
+        while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not session_processes(process.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -17,6 +17,7 @@ The driver then tears every actor down; nothing is left waiting in a collective.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -128,11 +129,13 @@ class RayRoles(Roles):
         self.config, self.tokenizer = config, tokenizer
         t = config.trainer
         self._started_ray = not ray.is_initialized() and t.ray_address is None
+        handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
         if t.ray_address:
             check_ray_address(t.ray_address)
             ray.init(address=t.ray_address, namespace="agentrl", log_to_driver=True)
         elif self._started_ray:
             start_local_ray(self._bundles())
+        restore_signal_handlers(handlers)
         self.supervisor = Supervisor(t.call_timeout_s)
         self.actors: list[tuple[str, Any]] = []
         self.pids: dict[str, int] = {}
@@ -262,6 +265,18 @@ class RayRoles(Roles):
             self.group = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def restore_signal_handlers(handlers: dict[int, Any]) -> None:
+    """ray.init installs, in the driver, a C++ handler for SIGTERM that prints a stack dump and
+    ends the process on the spot: no finally block runs, so no worker is closed and no exit line
+    printed. The Python handlers set before it (the CLI's: clean-up first, then one line and
+    128 + the signal's number) are put back."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        return
+    for signum, handler in handlers.items():
+        if callable(handler):
+            signal.signal(signum, handler)
 
 
 def start_local_ray(bundles: list[dict[str, float]]) -> None:
