@@ -144,3 +144,41 @@ def test_calls_queued_behind_hung_ones_own_no_thread_and_cancelled_ones_never_ru
     while executor.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert executor.running == 0 and executor.waiting == 0
+
+
+def test_sync_calls_given_up_on_count_as_abandoned_while_their_threads_still_run():
+    """A timed-out synchronous function keeps its thread and one of its tool's slots; the tool
+    server's /stats (`abandoned_calls`) counted only coroutines, so a tool whose slots had all
+    filled this way looked idle. Calls that time out while still queued never run, and never count."""
+    from agentrl.tools.base import FunctionTool
+    from agentrl.tools.threads import abandoned_calls, call_plugin
+
+    unblock = threading.Event()
+
+    def lookup(key: str) -> str:
+        """Looks a key up, slowly.
+
+        Args:
+            key: The key.
+        """
+        unblock.wait(10)
+        return key
+
+    slow = FunctionTool(lookup, max_workers=2)
+
+    async def main() -> list[int]:
+        counts = [abandoned_calls()]
+        for key in "abcd":  # two take both slots, two time out in the queue behind them
+            try:
+                await call_plugin(slow.execute("i", {"key": key}), timeout_s=0.05)
+            except asyncio.TimeoutError:
+                pass
+        counts.append(abandoned_calls())
+        unblock.set()
+        deadline = time.monotonic() + 5
+        while abandoned_calls() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        counts.append(abandoned_calls())
+        return counts
+
+    assert asyncio.run(main()) == [0, 2, 0]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import jsonschema
 from transformers.utils import get_json_schema
 
-from agentrl.tools.threads import DaemonExecutor, PluginError
+from agentrl.tools.threads import DaemonExecutor, PluginError, ThreadCall
 
 
 @dataclass
@@ -128,8 +128,12 @@ class FunctionTool:
         if self._threads is None:
             result = await self.fn(**arguments)
         else:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._threads, functools.partial(_on_thread, self.fn, arguments))
+            call = ThreadCall(functools.partial(_on_thread, self.fn, arguments))
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(self._threads, call.run)
+            except asyncio.CancelledError:  # timed out or the episode ended: the thread runs on
+                call.abandon()
+                raise
         return result if isinstance(result, ToolResult) else ToolResult(text=as_text(result))
 
     async def reward(self, instance_id: str) -> float | None:

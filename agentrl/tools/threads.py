@@ -212,10 +212,41 @@ async def call_plugin(coro: Coroutine[Any, Any, T], timeout_s: float | None, nam
 
 
 def abandoned_calls() -> int:
-    """Plug-in calls of the running loop that were given up on (timed out, or their caller was
-    cancelled) and are still running: each one ignored its cancellation."""
+    """Plug-in calls given up on (timed out, or their caller was cancelled) that are still running:
+    coroutines of the running loop that ignored their cancellation, and synchronous functions,
+    which a thread cannot stop, still busy on their threads (each holds one of its tool's slots)."""
     loop = asyncio.get_running_loop()
-    return sum(1 for task in _abandoned if task.get_loop() is loop and not task.done())
+    return sum(1 for task in _abandoned if task.get_loop() is loop and not task.done()) + ThreadCall.abandoned
+
+
+class ThreadCall:
+    """One call of a synchronous function on a thread, counted in `abandoned_calls` from the moment
+    its caller gives up (`abandon`) until the function returns."""
+
+    abandoned = 0  # of every ThreadCall in the process
+    _lock = threading.Lock()
+
+    def __init__(self, fn: Callable[[], T]):
+        self.fn = fn
+        self._started = self._finished = self._given_up = False
+
+    def run(self) -> T:
+        with ThreadCall._lock:
+            self._started = True
+            ThreadCall.abandoned += int(self._given_up)
+        try:
+            return self.fn()
+        finally:
+            with ThreadCall._lock:
+                self._finished = True
+                ThreadCall.abandoned -= int(self._given_up)
+
+    def abandon(self) -> None:
+        """Counted while it runs; a call still queued (its executor drops it) never is."""
+        with ThreadCall._lock:
+            if not self._given_up:
+                self._given_up = True
+                ThreadCall.abandoned += int(self._started and not self._finished)
 
 
 class _Stepwise:
