@@ -327,3 +327,22 @@ def test_a_parquet_files_filled_in_nulls_are_not_read_as_values(tmp_path):
     assert first.prompt == [{"role": "user", "content": "q1"}]
     assert second.prompt[1] == {"role": "user", "content": "q2", "name": "bob"}
     assert second.prompt[2]["content"] is None and second.prompt[2]["tool_calls"][0]["function"]["name"] == "f"
+
+
+def test_tool_kwargs_for_a_tool_the_run_lacks_are_named_once_before_any_model_loads(tmp_path, tiny_model_dir, capsys):
+    """A misspelt tool name in a row's tool_kwargs used to vanish: its tool's create() ran without
+    the arguments, and the episode's reward dropped without a word."""
+    from agentrl.recipe import load_recipe
+    from agentrl.rollout.run import load_driver_parts
+
+    rows = [{"id": "a", "question": "q", "answer": "1", "tool_kwargs": {"calculatr": {"x": 1}}},
+            {"id": "b", "question": "q", "answer": "2", "tool_kwargs": {"calculatr": {"x": 2}, "calculator": {}}}]
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_recipe(None, [f"model.path={tiny_model_dir}", "data.source=files", f"data.files=[{data}]",
+                                "data.id_key=id", "rollout.tool_configs=[tool_configs/calculator.yaml]"])
+    tasks, _ = load_driver_parts(config)
+    assert [t.tool_kwargs for t in tasks] == [r["tool_kwargs"] for r in rows]  # kept as they are
+    assert capsys.readouterr().err == (f"agentrl: warning: {data}:1: tool_kwargs for 'calculatr', which no tool "
+                                       "of rollout.tool_configs has (tools: calculator); its create() arguments "
+                                       "go nowhere\n")

@@ -99,8 +99,23 @@ def load_driver_parts(config: RecipeConfig) -> tuple[list[Task], Any]:
     tools, _, _ = load_user_parts(config)
     close_tools(tools)  # checked only: the rollout workers open their own
     tasks = load_tasks(config)
+    warn_unknown_tool_kwargs(tasks, tools)
     return tasks, load_tokenizer(config.model.path, config.model.chat_template,
                                  needs_tools=bool(tools) or config.rollout.agent is not None)
+
+
+def warn_unknown_tool_kwargs(tasks: list[Task], tools: list) -> None:
+    """One warning per name in the tasks' `tool_kwargs` that no tool of the run has, naming the first
+    row that uses it: a misspelt name leaves its tool's create() without its arguments, silently.
+    A warning, not an error: a dataset may carry arguments for tools another recipe uses."""
+    names = {t.schema["function"]["name"] for t in tools}
+    seen: set[str] = set()
+    for task in tasks:
+        for name in sorted(set(task.tool_kwargs) - names - seen):
+            seen.add(name)
+            print(f"agentrl: warning: {task.metadata.get('where', f'task {task.id!r}')}: tool_kwargs for {name!r}, "
+                  f"which no tool of rollout.tool_configs has (tools: {', '.join(sorted(names)) or 'none'}); its "
+                  "create() arguments go nowhere", file=sys.stderr)
 
 
 def load_policy(config: RecipeConfig, engine: Engine | None = None,
@@ -125,6 +140,7 @@ def build_runner(config: RecipeConfig, engine: Engine | None = None, files_key: 
 
             agent = load_agent(config)
         tasks = load_tasks(config, files_key) if with_tasks else []
+        warn_unknown_tool_kwargs(tasks, tools)
         tokenizer, engine = load_policy(config, engine, needs_tools=bool(tools) or agent is not None)
     except BaseException:
         close_tools(tools)
