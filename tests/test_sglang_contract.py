@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import contextlib
 import io
 import json
 import os
@@ -27,6 +28,7 @@ import threading
 import time
 import uuid
 from functools import partial
+from typing import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -386,13 +388,10 @@ def test_a_server_that_never_answers_the_connection_fails_within_timeout_s(monke
             s.close()
 
 
-@pytest.fixture
-def loopback_server():
-    """A stand-in for SGLang's HTTP server on 127.0.0.1 (SGLang needs a GPU): real sockets, kept
-    alive between requests as SGLang's are. GET answers an empty 200; POST answers `answer["body"]`,
-    `answer["delay_s"]` late."""
-    answer = {"body": json.dumps({"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
-                                                                   "output_token_logprobs": [[-0.5, 7, None]]}})}
+@contextlib.contextmanager
+def http_on_loopback(answer: Callable[[httpx.Request], httpx.Response]) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 whose every request `answer` replies to, with sockets kept
+    alive between requests as SGLang's are; yields its URL."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -404,24 +403,42 @@ def loopback_server():
             self.reply(b"")
 
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            time.sleep(answer.get("delay_s", 0.0))
-            self.reply(answer["body"].encode())
+            self.reply(self.rfile.read(int(self.headers.get("Content-Length", 0))))
 
         def reply(self, body: bytes):
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
+            response = answer(httpx.Request(self.command, f"http://127.0.0.1{self.path}", content=body))
+            self.send_response(response.status_code)
+            self.send_header("Content-Length", str(len(response.content)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(response.content)
 
     class Server(ThreadingHTTPServer):
         request_queue_size = 64  # a rollout's requests connect at once
 
     server = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", answer
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def loopback_server():
+    """A stand-in for SGLang's HTTP server on 127.0.0.1 (SGLang needs a GPU): real sockets. GET
+    answers an empty 200; POST answers `answer["body"]`, `answer["delay_s"]` late."""
+    answer = {"body": json.dumps({"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
+                                                                   "output_token_logprobs": [[-0.5, 7, None]]}})}
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200)
+        time.sleep(answer.get("delay_s", 0.0))
+        return httpx.Response(200, content=answer["body"].encode())
+
+    with http_on_loopback(reply) as url:
+        yield url, answer
 
 
 def test_a_200_whose_body_is_not_sglangs_answer_names_url_route_and_body(loopback_server):
@@ -512,31 +529,8 @@ def fake_sglang_on_loopback():
     """FakeServer behind a real HTTP server on 127.0.0.1, for code that builds its own engine (a
     training run): (url, the FakeServer)."""
     fake = FakeServer()
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            self.answer(b"")
-
-        def do_POST(self):
-            self.answer(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-
-        def answer(self, body: bytes):
-            reply = fake(httpx.Request(self.command, f"http://127.0.0.1{self.path}", content=body))
-            self.send_response(reply.status_code)
-            self.send_header("Content-Length", str(len(reply.content)))
-            self.end_headers()
-            self.wfile.write(reply.content)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", fake
-    server.shutdown()
-    server.server_close()
+    with http_on_loopback(fake) as url:
+        yield url, fake
 
 
 @pytest.mark.parametrize("backend", ["local", "ray"])

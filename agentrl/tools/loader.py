@@ -251,12 +251,13 @@ def load_tools(path: str | Path) -> list[Tool]:
     return tools
 
 
-def load_tool_files(paths: list[str | Path], key: str = "rollout.tool_configs") -> list[Tool]:
-    """The tools of every file a recipe lists at `key`; a file that is not there names the key."""
+def load_tool_files(paths: list[str | Path]) -> list[Tool]:
+    """The tools of every file a recipe lists at rollout.tool_configs; a file that is not there
+    names that key."""
     tools: list[Tool] = []
     for path in paths:
         if not Path(path).is_file():
-            raise ConfigError(f"{key}: {path}: file not found")
+            raise ConfigError(f"rollout.tool_configs: {path}: file not found")
         for t in load_tools(path):
             name = t.schema["function"]["name"]
             if any(o.schema["function"]["name"] == name for o in tools):

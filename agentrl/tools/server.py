@@ -5,8 +5,9 @@ what a tool server shared by many rollout workers needs: a bearer token on every
 `/health`, a semaphore bounding tool calls in flight, a cap on request bodies (uvicorn has none),
 a cap on live instances with expiry of those a client never releases, a per-call timeout, and
 per-tool call counts, errors and latencies at `/stats` (`abandoned_calls`: timed-out calls still
-running, their cancellation ignored or their thread busy). A tool that raises or times out answers 200 with `error` set,
-so a 5xx always means the server itself failed; a bad request answers 4xx with a one-line `detail`.
+running, their cancellation ignored or their thread busy). A tool that raises or times out answers
+200 with `error` set, so a 5xx always means the server itself failed; a bad request answers 4xx
+with a one-line `detail`.
 
 API (JSON): `GET /tools` → `{"tools": [schema, ...]}`; `POST /instances {"tool", "kwargs",
 "instance_id"}` → `{"instance_id", "error"}`; `POST /instances/{id}/execute {"arguments"}` →
