@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from agentrl.allocator import use_tcmalloc
 from agentrl.models import load_model
 from agentrl.rollout import packed_attention
+from agentrl.rollout.kv_cache import cache_keyword, returned_cache
 from machine import machine_line  # bench/machine.py, beside this script
 
 
@@ -27,7 +28,7 @@ def step_seconds(model, cache: DynamicCache, tokens_B1: torch.Tensor, positions_
     """One decode step on `cache`, which is cropped back afterwards."""
     length = cache.get_seq_length()
     started = time.perf_counter()
-    model(input_ids=tokens_B1, position_ids=positions_B1, past_key_values=cache, use_cache=True)
+    model(input_ids=tokens_B1, position_ids=positions_B1, use_cache=True, **{cache_keyword(model): cache})
     seconds = time.perf_counter() - started
     cache.crop(length - cache.get_seq_length())  # a negative count: tokens to remove
     return seconds
@@ -47,7 +48,7 @@ def main() -> None:
         with torch.no_grad():
             for rows in args.rows:
                 ids = torch.randint(100, 40_000, (rows, args.cached))
-                prefix = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+                prefix = returned_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1))
                 tokens, positions = torch.randint(100, 40_000, (rows, 1)), torch.full((rows, 1), args.cached)
                 times: dict[str, list[float]] = {"sdpa": [], packed_attention.NAME: []}
                 for trial in range(2 * args.trials + 2):

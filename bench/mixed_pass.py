@@ -34,7 +34,8 @@ def one_join(engine: HFEngine, prompts: list[list[int]], joining: int, new: int,
     prefix cache."""
     model = engine.model
     sampling = SamplingParams(10_000, 0.8, stop_token_ids=())
-    batch = RunningBatch(model.config, engine.pad_token_id, engine.device, next(model.parameters()).dtype, 64)
+    batch = RunningBatch(model.config, engine.pad_token_id, engine.device, next(model.parameters()).dtype, 64,
+                         cache_keyword=engine.cache_keyword)
     engine._prefill(batch, [Row(p, sampling) for p in prompts[joining:]])
     batch._reserve(64, 0, 0)  # slots for everyone: the buffers do not grow inside the timed part
     for _ in range(2):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from agentrl.rollout.hf_engine import HFEngine
+from agentrl.rollout.kv_cache import cache_keyword, returned_cache
 from agentrl.rollout import sampling
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.types import SamplingParams
@@ -485,8 +486,8 @@ def test_one_token_steps_without_padding_group_query_heads_and_match_sdpa(monkey
     ids = torch.tensor([[1, 504, 3459, 28, 30], [1, 9690, 28, 30, 253]])
 
     def last_step(m):
-        prefix = m(input_ids=ids[:, :-1], use_cache=True)
-        return m(input_ids=ids[:, -1:], past_key_values=prefix.past_key_values).logits
+        prefix = returned_cache(m(input_ids=ids[:, :-1], use_cache=True))
+        return m(input_ids=ids[:, -1:], **{cache_keyword(m): prefix}).logits
 
     got, want = last_step(model), last_step(reference)
     assert grouped == [(2, 4, 1, 16)] * 2  # both layers' one-token step: 2 rows, 4 query heads, head dim 16

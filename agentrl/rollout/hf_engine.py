@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from agentrl.rollout.kv_cache import PrefixKVCache, check_cache_layout, plan_reuse
+from agentrl.rollout.kv_cache import PrefixKVCache, cache_keyword, check_cache_layout, plan_reuse
 from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
@@ -60,6 +60,7 @@ class HFEngine:
         check_cache_layout(model)  # the running batch and the prefix cache hold plain per-layer keys and values
         self.prefix_cache = PrefixKVCache(kv_cache_bytes)  # 0 bytes turns prefix reuse off
         self.message_end_ids = frozenset(message_end_ids)  # a prompt's first message is shared (kv_cache.py)
+        self.cache_keyword = cache_keyword(model)
         self.mixed_passes = install(model)  # rows join running ones in one packed pass (SDPA models)
         self._pending = PendingRequests()  # the event loop adds requests, the decode thread takes them
         self._lock = threading.Lock()  # decoding, weight updates and memory release never overlap
@@ -155,7 +156,7 @@ class HFEngine:
         """Decode `rows`, and those `admit` hands over while they run, until every one stopped."""
         self._check_resident("generate", TAGS)
         batch = RunningBatch(self.model.config, self.pad_token_id, self.device, next(self.model.parameters()).dtype,
-                             max_rows=max(self.max_batch_size, len(rows)))
+                             max_rows=max(self.max_batch_size, len(rows)), cache_keyword=self.cache_keyword)
         incoming = rows
         while incoming or len(batch):
             self._retire(batch, done)

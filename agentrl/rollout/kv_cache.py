@@ -27,6 +27,7 @@ the only ones the transformers engine decodes.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,6 +58,18 @@ class Hit:
     covers_entry: bool = False  # the entry is a prefix of the request: its successor replaces it
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward keyword that hands a model its KV cache: `cache` from transformers 5.24 on (which
+    still takes `past_key_values`, warning that 5.40 will not), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out) -> DynamicCache:
+    """The KV cache a forward pass returned, under either name (see cache_keyword)."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
+
+
 def kv_layout(config) -> tuple[int, int]:
     """(key/value heads, head size) of every layer's cached keys and values, as the running batch
     lays out its buffers, from the model's config."""
@@ -76,7 +89,7 @@ def check_cache_layout(model: torch.nn.Module) -> None:
                           f"{name} has {', '.join(sorted(others))} layers. Use engine.name=sglang")
     device = next(model.parameters()).device
     with torch.no_grad():
-        cache = model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True, logits_to_keep=1).past_key_values
+        cache = returned_cache(model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True, logits_to_keep=1))
     heads, dim = kv_layout(model.config)
     shapes = {f"{kind} {tuple(t.shape[1:])}" for layer in cache.layers
               for kind, t in (("keys", layer.keys), ("values", layer.values)) if tuple(t.shape[1:]) != (heads, 2, dim)}
@@ -214,6 +227,7 @@ def prefix_pass(model: torch.nn.Module, ids: list[int], past: KV | None) -> KV:
         for layer, (keys, values) in enumerate(zip(*past)):
             cache.update(keys[None], values[None], layer)
     device = next(model.parameters()).device
-    layers = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
-                   logits_to_keep=1).past_key_values.layers
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1,
+                **{cache_keyword(model): cache})
+    layers = returned_cache(out).layers
     return torch.stack([layer.keys[0] for layer in layers]), torch.stack([layer.values[0] for layer in layers])

@@ -103,8 +103,10 @@ class _Joining:
 class RunningBatch:
     """Rows, their key/value buffers, mask, next positions and last sampled tokens."""
 
-    def __init__(self, config, pad_token_id: int, device: torch.device, dtype: torch.dtype, max_rows: int):
+    def __init__(self, config, pad_token_id: int, device: torch.device, dtype: torch.dtype, max_rows: int, *,
+                 cache_keyword: str):
         self.config, self.pad_token_id, self.device = config, pad_token_id, device
+        self.cache_keyword = cache_keyword  # the forward pass's name for its cache (kv_cache.cache_keyword)
         self.max_rows = max_rows  # how many slots to grow to at once (more are added if asked for)
         self.rows: list[Row] = []
         heads, dim = kv_layout(config)
@@ -192,7 +194,7 @@ class RunningBatch:
         n = len(self.rows)
         return {"input_ids": ids_BN.to(self.device), "attention_mask": self._joining.mask_BT,
                 "position_ids": positions_BN, "use_cache": True,
-                "past_key_values": self._cache(slice(n, n + len(rows)), first, stop - ids_BN.shape[1])}
+                self.cache_keyword: self._cache(slice(n, n + len(rows)), first, stop - ids_BN.shape[1])}
 
     def mixed_inputs(self, rows: list[Row]) -> tuple[dict[str, Any], PackedPlan]:
         """One packed pass (packed_attention.py) for the running rows' next token and the joining
@@ -221,7 +223,7 @@ class RunningBatch:
         # A 4-D attention mask is passed through untouched: the plan's masks are the ones attention uses.
         inputs = {"input_ids": torch.tensor([ids], device=self.device), "position_ids": positions[None].to(self.device),
                   "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device),
-                  "past_key_values": cache, "use_cache": True,
+                  self.cache_keyword: cache, "use_cache": True,
                   "logits_to_keep": torch.tensor(list(range(n)) + grid_BN[:, -1].tolist(), device=self.device)}
         self.end += 1
         self.next_pos_B = self.next_pos_B + 1
@@ -279,7 +281,7 @@ class RunningBatch:
         self.mask_BT = torch.cat([self.mask_BT, self.mask_BT.new_ones((len(self.rows), 1))], dim=1)
         inputs = {"input_ids": self.tokens_B[:, None], "attention_mask": self.mask_BT,
                   "position_ids": self.next_pos_B[:, None], "use_cache": True,
-                  "past_key_values": self._cache(slice(0, len(self.rows)), self.start, self.end)}
+                  self.cache_keyword: self._cache(slice(0, len(self.rows)), self.start, self.end)}
         self.end += 1
         self.next_pos_B = self.next_pos_B + 1
         return inputs
