@@ -162,13 +162,33 @@ class Search:
 '''
 
 
+PLUGIN_LOOKS_UP_A_SETTING = '''
+import os
+
+class Search:
+    def __init__(self):
+        self.key = dict(os.environ)["AGENTRL_TEST_NO_SUCH_VARIABLE"]
+'''
+
+PLUGIN_REFUSES_ITS_CONFIG = '''
+class Search:
+    def __init__(self):
+        raise ValueError("endpoint must be an https URL")
+'''
+
+
 @pytest.mark.parametrize("source,entry,message", [
     (PLUGIN_EXITS_ON_IMPORT, "exits_plugin:anything", "cannot import module 'exits_plugin' (SystemExit: 2)"),
     (PLUGIN_EXITS_IN_INIT, "exits_plugin:Search",
-     "constructing exits_plugin:Search with config {} failed: SystemExit search: no endpoint configured"),
-])
-def test_a_plugin_that_exits_is_a_named_error_not_the_end_of_the_process(tmp_path, monkeypatch, source, entry,
-                                                                         message):
+     "constructing exits_plugin:Search with config {} failed: SystemExit: search: no endpoint configured"),
+    # Named, or the message would end "failed: 'AGENTRL_TEST_NO_SUCH_VARIABLE'"
+    (PLUGIN_LOOKS_UP_A_SETTING, "exits_plugin:Search",
+     "constructing exits_plugin:Search with config {} failed: KeyError: 'AGENTRL_TEST_NO_SUCH_VARIABLE'"),
+    # A constructor's ValueError is its own sentence about its config: kept as it is
+    (PLUGIN_REFUSES_ITS_CONFIG, "exits_plugin:Search",
+     "constructing exits_plugin:Search with config {} failed: endpoint must be an https URL\n"),
+], ids=["exits_on_import", "exits_in_init", "key_error_in_init", "value_error_in_init"])
+def test_a_plugin_that_exits_or_raises_while_loading_is_a_named_error(tmp_path, monkeypatch, source, entry, message):
     (tmp_path / "exits_plugin.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(__import__("sys").modules, "exits_plugin", raising=False)
@@ -176,7 +196,7 @@ def test_a_plugin_that_exits_is_a_named_error_not_the_end_of_the_process(tmp_pat
     tools.write_text(f"tools:\n  - class: {entry}\n")
     with pytest.raises(ConfigError) as error:
         load_tools(str(tools))
-    assert message in str(error.value) and str(tools) in str(error.value)
+    assert message in str(error.value) + "\n" and str(tools) in str(error.value)
 
 
 @tool

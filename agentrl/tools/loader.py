@@ -27,6 +27,7 @@ from agentrl.errors import ConfigError
 from agentrl.yaml_files import load_yaml
 from agentrl.tools.base import FunctionTool, Tool, ToolSet
 from agentrl.tools.schema import check_schema
+from agentrl.tools.threads import failure_text
 
 ENTRY_POINT_GROUP = "agentrl.tools"
 ENTRY_KEYS = {"class", "config", "schema"}
@@ -113,8 +114,10 @@ def _instantiate(entry: Any) -> Any:
         try:
             return obj(**config)
         except (Exception, SystemExit) as e:
-            raise ValueError(f"constructing {entry['class']} with config {masked(config)} failed: "
-                             f"{type(e).__name__ + ' ' if isinstance(e, SystemExit) else ''}{e}") from None
+            # A ValueError is a constructor's own message about its config; any other type is named
+            # (a bare KeyError would read "failed: 'api_key'").
+            detail = str(e) if type(e) in (ValueError, ConfigError) else failure_text(e)
+            raise ValueError(f"constructing {entry['class']} with config {masked(config)} failed: {detail}") from None
     if isinstance(obj, FunctionTool) or callable(obj):
         if config:
             raise ValueError("key 'config' is only for tool classes, not functions")
