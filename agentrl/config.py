@@ -129,7 +129,9 @@ class RolloutConfig(_Section):
     max_context_tokens: int = Field(2048, ge=16, description="Prompt plus every turn, in tokens.")
     max_new_tokens_per_turn: int = Field(256, ge=1, description="Tokens one assistant turn may sample.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. In training, below 1 the update "
+                                                      "treats nucleus samples as the whole distribution's (a "
+                                                      "biased gradient; a warning says so).")
     agent: str | None = Field(None, description="Agent function 'module:attr' run against the OpenAI-compatible "
                                                 "endpoint instead of the builtin loop (null: builtin).")
     agent_timeout_s: float = Field(
@@ -206,8 +208,10 @@ class AlgorithmConfig(_Section):
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound for negative advantages (null: off).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference model (0: no reference).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="KL estimator (Schulman's k1, k2, k3). In the loss, k2 or k3: k1's gradient there is "
-                          "zero in expectation, so it is refused unless kl_in_reward.")
+        "k3", description="KL estimator (Schulman's k1, k2, k3). In the loss, k2 or k3, which pull differently: "
+                          "on the policy's own samples k2's gradient is that of KL(policy || reference), k3's "
+                          "(GRPO's choice) that of KL(reference || policy). k1's gradient there is zero in "
+                          "expectation, so it is refused unless kl_in_reward.")
     kl_in_reward: bool = Field(False, description="Apply the KL as a per-token reward penalty, not a loss term.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
 

@@ -58,6 +58,21 @@ def check_training(config: RecipeConfig) -> None:
                           f"({t.world_size})")
 
 
+def training_warnings(config: RecipeConfig) -> list[str]:
+    """Settings that train, but not as a user may think: one line each, printed as `agentrl train`
+    starts."""
+    a, r = config.algorithm, config.rollout
+    found = []
+    if r.temperature > 0 and r.top_p < 1:
+        # The engines report, and the trainer recomputes, logprobs of the whole softmax (sampling.py).
+        found.append(f"rollout.top_p {r.top_p} samples from the nucleus only, but the update's importance ratio "
+                     "and KL use the whole distribution's logprobs: a biased gradient (top_p 1 is unbiased)")
+    if r.temperature == 0 and a.advantage in GROUP_ESTIMATORS:
+        found.append(f"rollout.temperature 0 samples every episode of a task alike: algorithm.advantage "
+                     f"'{a.advantage}' compares them with each other, so every advantage is 0 and nothing is learnt")
+    return found
+
+
 NULLS = ("", "null", "Null", "NULL", "~")  # what YAML reads as null
 
 

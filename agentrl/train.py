@@ -20,7 +20,7 @@ import torch
 
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig
-from agentrl.recipe import check_training, run_config_yaml, to_yaml
+from agentrl.recipe import check_training, run_config_yaml, to_yaml, training_warnings
 from agentrl.errors import ConfigError
 from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
@@ -97,6 +97,8 @@ def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, p
 def train(config: RecipeConfig) -> list[dict[str, float]]:
     check_training(config)
     print(to_yaml(config), file=sys.stderr)
+    for warning in training_warnings(config):
+        print(f"agentrl: warning: {warning}", file=sys.stderr)
     # What would otherwise fail only once the models are loaded (RunLogger starts after them):
     check_wandb(config.trainer.wandb_project)
     if config.algorithm.advantage == "gae" and config.critic.path:

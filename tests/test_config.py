@@ -146,6 +146,25 @@ def test_train_rejects_groups_it_cannot_learn_from_when_the_recipe_loads(overrid
     assert line.startswith(f"agentrl: error: recipes/quickstart.yaml: {message}"), line
 
 
+TOP_P_WARNING = ("agentrl: warning: rollout.top_p 0.9 samples from the nucleus only, but the update's importance "
+                 "ratio and KL use the whole distribution's logprobs: a biased gradient (top_p 1 is unbiased)")
+GREEDY_WARNING = ("agentrl: warning: rollout.temperature 0 samples every episode of a task alike: algorithm.advantage "
+                  "'rloo' compares them with each other, so every advantage is 0 and nothing is learnt")
+
+
+@pytest.mark.parametrize("overrides,warnings", [
+    (["rollout.top_p=0.9"], [TOP_P_WARNING]),
+    (["rollout.temperature=0", "rollout.top_p=0.9", "algorithm.advantage=rloo"], [GREEDY_WARNING]),  # greedy ignores top_p
+    (["rollout.temperature=0", "algorithm.advantage=gae"], []),  # a critic's baseline still tells episodes apart
+    ([], []),
+])
+def test_train_warns_of_settings_that_train_but_not_as_meant_before_any_model_loads(overrides, warnings):
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", *overrides,
+                           "model.path=/nonexistent/model"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "/nonexistent/model" in done.stderr.splitlines()[-1]
+    assert [line for line in done.stderr.splitlines() if line.startswith("agentrl: warning:")] == warnings
+
+
 def test_gae_and_rollouts_accept_single_episode_groups():
     load_recipe("recipes/quickstart.yaml", ["rollout.group_size=1", "algorithm.advantage=gae"], for_training=True)
     load_recipe("recipes/rollout_cpu.yaml", ["rollout.group_size=1"])  # rollout and eval do not learn
