@@ -340,9 +340,26 @@ def test_tool_kwargs_for_a_tool_the_run_lacks_are_named_once_before_any_model_lo
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = load_recipe(None, [f"model.path={tiny_model_dir}", "data.source=files", f"data.files=[{data}]",
-                                "data.id_key=id", "rollout.tool_configs=[tool_configs/calculator.yaml]"])
+                                "data.id_key=id", "rollout.tool_configs=[tool_configs/calculator.yaml]",
+                                "data.num_tasks=2"])
     tasks, _ = load_driver_parts(config)
     assert [t.tool_kwargs for t in tasks] == [r["tool_kwargs"] for r in rows]  # kept as they are
     assert capsys.readouterr().err == (f"agentrl: warning: {data}:1: tool_kwargs for 'calculatr', which no tool "
                                        "of rollout.tool_configs has (tools: calculator); its create() arguments "
                                        "go nowhere\n")
+
+
+@pytest.mark.parametrize("num_tasks,eval_files", [(5, False), (3, False), (5, True)])
+def test_a_task_file_with_fewer_rows_than_asked_for_is_named_and_its_rows_are_used(tmp_path, capsys, num_tasks,
+                                                                                   eval_files):
+    from agentrl.recipe import load_recipe
+    from agentrl.rollout.run import load_tasks
+
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(3)))
+    config = load_recipe(None, ["data.source=files", f"data.files=[{data}]", f"data.num_tasks={num_tasks}"])
+    tasks = load_tasks(config, "eval.files" if eval_files else "data.files")
+    assert [t.prompt for t in tasks] == ["q0", "q1", "q2"]
+    key, count_key = ("eval.files", "eval.num_tasks") if eval_files else ("data.files", "data.num_tasks")
+    assert capsys.readouterr().err == ("" if num_tasks == 3 else (
+        f"agentrl: warning: {count_key} is 5, but {key} ['{data}'] has 3 rows: the run uses those 3\n"))

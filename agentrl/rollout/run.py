@@ -40,16 +40,21 @@ if TYPE_CHECKING:
 
 def load_tasks(config: RecipeConfig, files_key: str = "data.files") -> list[Task]:
     """The task pool; an empty one is a ConfigError naming the recipe key that chose it
-    (`files_key`: data.files, or eval.files for held-out tasks)."""
+    (`files_key`: data.files, or eval.files for held-out tasks), and one smaller than `num_tasks`
+    asked for is named in a warning."""
     d = config.data
     if d.source == "arithmetic":
         return arithmetic_tasks(d.num_tasks, d.seed, d.arithmetic.min_digits, d.arithmetic.max_digits)
     tasks = dataset_tasks(d.source, d.files, d.split, d.prompt_key, d.answer_key, d.id_key, limit=d.num_tasks,
                           files_key=files_key)
+    key, where = (files_key, f"{d.files}") if d.source == "files" else (
+        "data.source", f"dataset '{d.source}' split '{d.split}'")
     if not tasks:
-        key, where = (files_key, f"{d.files}") if d.source == "files" else (
-            "data.source", f"dataset '{d.source}' split '{d.split}'")
         raise ConfigError(f"{key}: no tasks: {where} has no rows")
+    if len(tasks) < d.num_tasks:  # a training run repeats them sooner, an accuracy is over fewer
+        count_key = "eval.num_tasks" if files_key == "eval.files" else "data.num_tasks"
+        print(f"agentrl: warning: {count_key} is {d.num_tasks}, but {key} {where} has {len(tasks)} rows: "
+              f"the run uses those {len(tasks)}", file=sys.stderr)
     return tasks
 
 
