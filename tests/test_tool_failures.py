@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+
+import pydantic
+import torch
 
 from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.rollout.collect import summarize
@@ -168,6 +172,39 @@ def test_garbage_return_value_becomes_text(tokenizer):
     runner = EpisodeRunner(engine, tokenizer, [weird], parse_hermes, EpisodeSettings())
     traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), group_id="g"))
     assert traj.messages[2]["content"] == '{"n": 3, "items": [1, 2]}' and traj.finish == "stop"
+
+
+@dataclasses.dataclass
+class Hit:
+    title: str
+    score: float
+
+
+class Page(pydantic.BaseModel):
+    url: str
+    hits: list[Hit]
+
+
+def test_values_json_lacks_a_type_for_reach_the_model_as_what_they_mean(tokenizer):
+    """Before, `default=str` quoted them: a set came out as "{1, 2, 3}", a numpy integer as "3"."""
+    import numpy
+
+    @tool
+    def search(query: str) -> dict:
+        """Searches.
+
+        Args:
+            query: What to look for.
+        """
+        return {"ids": {3, 1, 2}, "count": numpy.int64(3), "best": Hit("a", 0.5), "scores": torch.tensor([0.5, 0.25]),
+                "page": Page(url="u", hits=[Hit("b", 0.25)]), "mean": numpy.float32(0.5)}
+
+    engine = ScriptedEngine(tokenizer, [call("search", query="q"), FINAL])
+    runner = EpisodeRunner(engine, tokenizer, [search], parse_hermes, EpisodeSettings())
+    traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), group_id="g"))
+    assert json.loads(traj.messages[2]["content"]) == {
+        "ids": [1, 2, 3], "count": 3, "best": {"title": "a", "score": 0.5}, "scores": [0.5, 0.25],
+        "page": {"url": "u", "hits": [{"title": "b", "score": 0.25}]}, "mean": 0.5}
 
 
 def test_engine_failure_ends_episode_with_error(tokenizer):

@@ -9,6 +9,7 @@ transformers' `get_json_schema` rather than by code of our own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import json
@@ -173,12 +174,12 @@ def tool(fn: Callable[..., Any]) -> FunctionTool:
 def as_text(value: Any) -> str:
     """Any tool output as text a tokenizer accepts: bytes are decoded (bad bytes replaced), lone
     surrogates (a non-UTF-8 file name read with Python's defaults) become visible escapes, other
-    objects become JSON, or their repr when JSON cannot hold them."""
+    objects become JSON (json_value says how what JSON lacks is written), or their repr when that fails."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).decode("utf-8", errors="replace")
     if not isinstance(value, str):
         try:
-            value = json.dumps(value, ensure_ascii=False, default=str)
+            value = json.dumps(value, ensure_ascii=False, default=json_value)
         except Exception:  # noqa: BLE001 - str() or repr() of a plug-in's object may raise anything
             try:
                 value = repr(value)
@@ -189,6 +190,24 @@ def as_text(value: Any) -> str:
     except UnicodeEncodeError:
         value = value.encode("utf-8", errors="backslashreplace").decode("utf-8")
     return value
+
+
+def json_value(value: Any) -> Any:
+    """What JSON has no type for, as the model should read it: a set as a (sorted) list, a
+    dataclass or pydantic model as its fields, a numpy or torch value as its number or list; else
+    its str(). (A plain `default=str` put a set or a numpy integer in quotes.)"""
+    if isinstance(value, (set, frozenset)):
+        try:
+            return sorted(value)
+        except TypeError:  # mixed types
+            return list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}  # nested ones come back here
+    for method, kwargs in (("model_dump", {"mode": "json"}), ("tolist", {})):  # pydantic; numpy and torch
+        convert = getattr(value, method, None)
+        if callable(convert):
+            return convert(**kwargs)
+    return str(value)
 
 
 # The largest reward magnitude training takes: advantages and returns are float32, and whitening
