@@ -73,12 +73,17 @@ def check_wandb(project: str | None) -> None:
             raise ConfigError(f"trainer.wandb_project: {e}") from None
 
 
+WANDB_RUN_ID = "wandb_run_id"
+
+
 class RunLogger:
     """Records each step's metrics; use as a context manager or call `close()` at the end.
 
     `start_step` is the last step already done when a run resumes: metrics.jsonl keeps its lines up
     to that step and drops later ones, and TensorBoard purges the events of later steps, so a killed
-    and resumed run shows each step once. A fresh run (0) starts both from empty.
+    and resumed run shows each step once. A fresh run (0) starts both from empty. A W&B run's id is
+    kept in <run_dir>/wandb_run_id, and a resumed run logs into that W&B run again (W&B keeps the
+    values it already has for steps past the checkpoint).
     """
 
     def __init__(self, run_dir: str | Path, config: Mapping[str, Any], total_steps: int,
@@ -90,8 +95,11 @@ class RunLogger:
         self._wandb, self._wandb_run = None, None
         if wandb:
             self._wandb = _import_wandb(wandb)
+            id_file = self.run_dir / WANDB_RUN_ID
+            again = {"id": id_file.read_text().strip(), "resume": "allow"} if start_step and id_file.is_file() else {}
             self._wandb_run = self._wandb.init(
-                project=wandb, name=self.run_dir.name, dir=str(self.run_dir), config=dict(config))
+                project=wandb, name=self.run_dir.name, dir=str(self.run_dir), config=dict(config), **again)
+            id_file.write_text(f"{self._wandb_run.id}\n")
         self.metrics_path = self.run_dir / "metrics.jsonl"
         # The kept lines go to a new file that replaces the old one, so a crash here loses nothing.
         staging = self.metrics_path.with_name(self.metrics_path.name + ".tmp")

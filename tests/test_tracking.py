@@ -125,6 +125,7 @@ def test_wandb_receives_project_config_and_grouped_scalars(tmp_path, monkeypatch
     (fake / "wandb.py").write_text(textwrap.dedent("""
         calls = []
         class Run:
+            id = "3xq9k2ab"
             def log(self, data, step=None): calls.append(("log", data, step))
             def finish(self): calls.append(("finish",))
         def teardown(): calls.append(("teardown",))
@@ -137,9 +138,16 @@ def test_wandb_receives_project_config_and_grouped_scalars(tmp_path, monkeypatch
     run_dir = tmp_path / "grpo-1"
     with RunLogger(run_dir, {"seed": 3}, total_steps=2, wandb="agentrl-runs", progress=False) as logger:
         logger.log(1, {"reward_mean": 0.5, "tools/calculator/latency_s": 0.25, "note": "text is not a scalar"})
-    calls = sys.modules["wandb"].calls
-    monkeypatch.delitem(sys.modules, "wandb")
+    calls = list(sys.modules["wandb"].calls)
     assert calls == [("init", {"project": "agentrl-runs", "name": "grpo-1", "dir": str(run_dir),
                                "config": {"seed": 3}}),
                      ("log", {"reward/mean": 0.5, "tools/calculator/latency_s": 0.25}, 1),
                      ("finish",), ("teardown",)]  # the service goes with the run (see RunLogger.close)
+    # A resumed run logs into the same W&B run; a fresh one in the same directory starts its own.
+    assert (run_dir / "wandb_run_id").read_text() == "3xq9k2ab\n"
+    for start_step, again in ((1, {"id": "3xq9k2ab", "resume": "allow"}), (0, {})):
+        with RunLogger(run_dir, {"seed": 3}, total_steps=2, wandb="agentrl-runs", progress=False, start_step=start_step):
+            pass
+        assert sys.modules["wandb"].calls[-3] == ("init", {"project": "agentrl-runs", "name": "grpo-1",
+                                                           "dir": str(run_dir), "config": {"seed": 3}, **again})
+    monkeypatch.delitem(sys.modules, "wandb")  # the stand-in goes with this test
