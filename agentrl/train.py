@@ -9,6 +9,7 @@ over ranks ('ray', trainer/launch.py); the driver makes the same calls either wa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,11 +27,11 @@ from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
 from agentrl.rollout.collect import check_failures, summarize, write_jsonl
 from agentrl.rollout.run import load_driver_parts
-from agentrl.trainer.checkpoint import check_replaceable, latest_checkpoint
+from agentrl.trainer.checkpoint import RECIPE, check_replaceable, latest_checkpoint
 from agentrl.trainer.critic import CriticWorker, check_critic_path
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.trainer.roles import Roles, start_roles
-from agentrl.tracking import RunLogger, check_wandb
+from agentrl.tracking import WANDB_RUN_ID, RunLogger, check_wandb
 from agentrl.trainer.returns import gae_targets, outcome_advantages, token_advantages
 from agentrl.types import Task, Trajectory
 
@@ -110,6 +111,8 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
         load_agent(config)
     run_dir = Path(config.output_dir)
     check_run_dir(config, run_dir)
+    if config.trainer.resume == "auto":
+        check_resume(config, latest_checkpoint(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(run_config_yaml(config))
     roles = start_roles(config, tokenizer)
@@ -146,8 +149,53 @@ def check_run_dir(config: RecipeConfig, run_dir: Path) -> None:
                                   "copy it elsewhere, or use another output_dir")
 
 
+# What a resumed run must share with the run that wrote its checkpoint: the model the checkpoint's
+# weights belong to and the tasks the data cursor (the step number) indexes.
+RESUME_MUST_MATCH = ("model.path", "model.lora.", "data.", "trainer.tasks_per_step")
+# Settings that do not shape training, and trainer.steps, which a resume may raise (checked apart).
+RESUME_IGNORED = ("name", "eval.", "sft.", "trainer.resume", "trainer.steps")
+
+
+def check_resume(config: RecipeConfig, checkpoint: Path | None) -> None:
+    """Before any model loads: a ConfigError when the checkpoint `trainer.resume=auto` would continue
+    was written with another model, LoRA layout or task pool, or at a step past trainer.steps; one
+    warning listing any other setting that changed (a new trainer.lr is a usual reason to resume)."""
+    if checkpoint is None or not (checkpoint / RECIPE).is_file():  # nothing to resume, or written before recipes were kept
+        return
+    saved, now = _dotted(json.loads((checkpoint / RECIPE).read_text())), _dotted(config.model_dump(mode="json"))
+    changed = [key for key in sorted(saved.keys() | now.keys())
+               if saved.get(key) != now.get(key) and not key.startswith(RESUME_IGNORED)]
+
+    def show(key: str) -> str:
+        return f"{key} {json.dumps(saved.get(key))} -> {json.dumps(now.get(key))}"
+
+    refused = [show(key) for key in changed if key.startswith(RESUME_MUST_MATCH)]
+    if refused:
+        raise ConfigError(f"trainer.resume 'auto': {checkpoint} was written with other settings for the model or "
+                          f"the tasks ({', '.join(refused)}); resume with the ones it was written with, or start "
+                          "the new run in another output_dir")
+    step = int(checkpoint.name.removeprefix("step_"))
+    if config.trainer.steps < step:
+        raise ConfigError(f"trainer.steps {config.trainer.steps}: {checkpoint} is at step {step} already; raise "
+                          "trainer.steps to continue it")
+    if changed:
+        print(f"agentrl: warning: resuming {checkpoint} with settings changed since it was written: "
+              f"{', '.join(show(key) for key in changed)}", file=sys.stderr)
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict[str, object]:
+    """A nested recipe as {dotted key: value}; lists stay whole."""
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 STEP_MODEL = re.compile(r"step_\d+")  # a step_N/ model directory (trainer.save_every)
-EARLIER_RUN = ("checkpoints", "trajectories", "metrics.jsonl", "final", "critic")
+EARLIER_RUN = ("checkpoints", "trajectories", "metrics.jsonl", "tensorboard", WANDB_RUN_ID, "final", "critic")
 
 
 def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:

@@ -289,15 +289,20 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_recip
     assert listing(tmp_path / "split") == ["checkpoints", "config.yaml", "final", "metrics.jsonl", "previous",
                                            "step_1", "tensorboard", "trajectories"]
     assert listing(tmp_path / "split" / "previous") == ["checkpoints", "final", "metrics.jsonl", "step_1", "step_2",
-                                                        "step_3", "trajectories"]
+                                                        "step_3", "tensorboard", "trajectories"]
     weights = lambda path: (tmp_path / "split" / path / "model.safetensors").read_bytes()  # noqa: E731
     assert weights("final") == weights("step_1") and weights("previous/final") == weights("previous/step_3")
 
 
-def test_a_resumed_run_takes_the_recipes_learning_rate_and_refuses_another_models_checkpoint(tmp_path, tiny_recipe):
+def test_a_resumed_run_takes_the_recipes_learning_rate_and_refuses_another_models_checkpoint(tmp_path, tiny_recipe,
+                                                                                            capsys, monkeypatch):
     """The checkpoint holds the optimizer's moments and the schedule's position; its learning rate
     is the recipe's (it used to stay the checkpoint's, while config.yaml showed the new one). A
-    checkpoint of another parameter layout is a ConfigError naming it, not dcp's traceback."""
+    resume whose model, LoRA layout, tasks or step count do not fit the checkpoint's recipe is a
+    ConfigError naming them before any model loads (a changed LoRA alpha or target list, another
+    model.path or task pool used to load without a word); a checkpoint without its recipe still
+    gets a ConfigError from dcp's mismatch, not its traceback."""
+    import agentrl.train
     from agentrl.errors import ConfigError
     from agentrl.train import train
 
@@ -307,20 +312,76 @@ def test_a_resumed_run_takes_the_recipes_learning_rate_and_refuses_another_model
     """)
     run = [f"output_dir={tmp_path / 'run'}"]
     assert [h["lr"] for h in train(load_recipe(recipe, run))] == [pytest.approx(1e-3 / 4)]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_1"
+    start_roles = agentrl.train.start_roles
+    monkeypatch.setattr(agentrl.train, "start_roles", lambda *a: pytest.fail("a model loaded"))
+    for changes, named in ((["model.lora.rank=4", "model.lora.alpha=32"], "model.lora.alpha null -> 32.0, "
+                                                                          "model.lora.rank 0 -> 4"),
+                           (["data.num_tasks=9"], "data.num_tasks 8 -> 9"),
+                           (["trainer.tasks_per_step=1"], "trainer.tasks_per_step 2 -> 1")):
+        with pytest.raises(ConfigError) as err:
+            train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=2", *changes]))
+        assert str(err.value) == (f"trainer.resume 'auto': {checkpoint} was written with other settings for the model "
+                                  f"or the tasks ({named}); resume with the ones it was written with, or start the "
+                                  "new run in another output_dir")
+    monkeypatch.setattr(agentrl.train, "start_roles", start_roles)
+    (checkpoint / "recipe.json").rename(tmp_path / "recipe.json")  # as a checkpoint written before recipes were kept
     with pytest.raises(ConfigError) as err:
         train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=2", "model.lora.rank=4"]))
+    (tmp_path / "recipe.json").rename(checkpoint / "recipe.json")
     assert str(err.value) == (
         f"{tmp_path / 'run' / 'checkpoints' / 'step_1' / 'policy'}: the checkpoint does not fit this run's model "
         "(Missing key in checkpoint state_dict: model.base_model.model.model.layers.0.self_attn.q_proj.lora_A."
         "default.weight); resume with the model.path and model.lora settings of the run that wrote it")
+    capsys.readouterr()
     resumed = train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=2", "trainer.lr=5e-2"]))
     assert [h["lr"] for h in resumed] == [pytest.approx(1e-3 / 4), pytest.approx(5e-2 * 2 / 4)]
+    assert f"agentrl: warning: resuming {checkpoint} with settings changed since it was written: trainer.lr 0.001 -> " \
+           "0.05\n" in capsys.readouterr().err
+    # A relaunch with fewer steps than the checkpoint has done used to train nothing and save final/.
+    monkeypatch.setattr(agentrl.train, "start_roles", lambda *a: pytest.fail("a model loaded"))
+    with pytest.raises(ConfigError) as err:
+        train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=1", "trainer.lr=5e-2"]))
+    assert str(err.value) == (f"trainer.steps 1: {checkpoint.with_name('step_2')} is at step 2 already; raise "
+                              "trainer.steps to continue it")
+    monkeypatch.setattr(agentrl.train, "start_roles", start_roles)
     # A damaged checkpoint is no mismatch of settings: its own error stands.
     shard = next((tmp_path / "run" / "checkpoints" / "step_2" / "policy").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(BaseException) as err:
         train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=3"]))
     assert not isinstance(err.value, ConfigError) and "does not fit" not in str(err.value)
+
+
+def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_before_older_ones_are_pruned(tmp_path, monkeypatch):
+    """Renaming alone orders nothing on disk: after a power cut, a checkpoint under its final name
+    could hold empty files while the older ones were already pruned."""
+    import os
+
+    from agentrl.trainer.checkpoint import commit_checkpoint, complete_checkpoints, staging_checkpoint
+
+    events: list[str] = []
+    real_fsync, real_replace, real_rmtree = os.fsync, os.replace, __import__("shutil").rmtree
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append("sync " + os.readlink(f"/proc/self/fd/{fd}"))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(f"rename {a} {b}") or real_replace(a, b))
+    monkeypatch.setattr("agentrl.trainer.checkpoint.shutil.rmtree",
+                        lambda p, **kw: events.append(f"remove {p}") or real_rmtree(p, **kw))
+    for step in (1, 2):
+        staging = staging_checkpoint(tmp_path, step)
+        (staging / "policy").mkdir()
+        (staging / "policy" / "shard.distcp").write_bytes(b"weights")
+        (staging / "trainer_state.pt").write_bytes(b"state")
+        events.clear()
+        commit_checkpoint(staging, keep=1)
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in complete_checkpoints(root)] == ["step_2"]
+    staged, final = root / "step_2.tmp", root / "step_2"
+    rename = events.index(f"rename {staged} {final}")
+    assert events[0] == f"remove {final}" and sorted(events[1:rename]) == [  # every file and directory, then the rename
+        f"sync {staged}", f"sync {staged / 'policy'}", f"sync {staged / 'policy' / 'shard.distcp'}",
+        f"sync {staged / 'trainer_state.pt'}"]
+    assert events[rename + 1:] == [f"sync {root}", f"remove {root / 'step_1'}"]  # the rename is on disk before pruning
 
 
 def test_activation_checkpointing_gives_the_same_update():

@@ -8,7 +8,8 @@ so a killed run never leaves a half-written one.
   resume at another world size), and `trainer_state.pt` with what the driver keeps: the step (which
   is also the data cursor), the metrics so far, the learning-rate schedules, the batch-order RNGs,
   every engine replica's sampling RNG and torch's global RNG; beside each sharded state, every
-  rank's own torch RNGs (`torch_rng_rank<N>.pt`). The newest complete one is found by
+  rank's own torch RNGs (`torch_rng_rank<N>.pt`); and `recipe.json`, the run's settings, which a
+  resumed run is compared with (train.check_resume). The newest complete one is found by
   `latest_checkpoint`; older ones are pruned to `trainer.keep_checkpoints`.
 
 A checkpoint directory is complete exactly when it has its final name.
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from agentrl.trainer.distributed import Ranks
 
 TRAINER_STATE = "trainer_state.pt"
+RECIPE = "recipe.json"  # the settings of the run that wrote a checkpoint, readable without torch
 RNG_PREFIX = "torch_rng_rank"  # + rank + .pt, beside each sharded state
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -89,8 +91,10 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     yield staging
+    sync_tree(staging)  # on disk before the old directory goes (see commit_checkpoint)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(staging, path)
+    _sync_directory(path.parent)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -211,13 +215,36 @@ def staging_checkpoint(run_dir: str | Path, step: int) -> Path:
 
 
 def commit_checkpoint(staging: Path, keep: int) -> Path:
-    """Rename the staging directory into place, then prune to the newest `keep` checkpoints."""
+    """Rename the staging directory into place, then prune to the newest `keep` checkpoints. Its
+    files reach the disk before the rename and the rename before any pruning: after a power cut
+    or an OS crash, a checkpoint under its final name has its contents, and the older ones it
+    replaces are gone only once it is there."""
     final = staging.with_name(staging.name.removesuffix(".tmp"))
     shutil.rmtree(final, ignore_errors=True)
+    sync_tree(staging)
     os.replace(staging, final)
+    _sync_directory(final.parent)
     for old in complete_checkpoints(staging.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def sync_tree(path: Path) -> None:
+    """fsync every file and directory under `path` (a process crash loses nothing written; a power
+    cut loses what the OS had not written yet)."""
+    for directory, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as f:
+                os.fsync(f.fileno())
+        _sync_directory(Path(directory))
+
+
+def _sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -9,6 +9,7 @@ are what an actor runs in its own process to build its worker.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from agentrl.config import RecipeConfig
 from agentrl.models import enable_activation_checkpointing, load_model
 from agentrl.hardware import choose_dtype
 from agentrl.rollout.worker import LocalSink, RolloutWorker
-from agentrl.trainer.checkpoint import TRAINER_STATE, commit_checkpoint, staging_checkpoint
+from agentrl.trainer.checkpoint import RECIPE, TRAINER_STATE, commit_checkpoint, staging_checkpoint
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
 from agentrl.trainer.logprobs import check_logit_head
@@ -117,6 +118,7 @@ class Roles:
     def save_checkpoint(self, run_dir: Path, step: int, history: list[dict[str, Any]]) -> Path:
         """checkpoints/step_<step>/: sharded policy (and critic) state, then the driver's state."""
         staging = staging_checkpoint(run_dir, step)
+        (staging / RECIPE).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
         state = {"step": step, "history": history, "torch_rng": torch.get_rng_state(),
                  "policy": self.policy.save_state(staging / "policy"),
                  "critic": self.critic.save_state(staging / "critic") if self.critic is not None else None,
