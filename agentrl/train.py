@@ -219,6 +219,20 @@ def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
     print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous} ({hint})", file=sys.stderr)
 
 
+def drop_steps_after(run_dir: Path, done: int) -> None:
+    """The trajectory files and step_N/ models of steps after `done` that the interrupted run wrote
+    before its last checkpoint: the resumed run writes its own as it reaches those steps, and a
+    run that stops sooner would otherwise show the other run's as its own (as metrics.jsonl drops
+    their lines and TensorBoard purges their events)."""
+    for path in (run_dir / "trajectories").glob("step_*.jsonl"):
+        number = path.stem.removeprefix("step_")
+        if number.isdigit() and int(number) > done:
+            path.unlink()
+    for path in run_dir.iterdir():
+        if STEP_MODEL.fullmatch(path.name) and path.is_dir() and int(path.name.removeprefix("step_")) > done:
+            shutil.rmtree(path)  # check_run_dir made sure each holds a saved model and nothing else
+
+
 def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Path) -> list[dict[str, float]]:
     """The RL steps, from the newest checkpoint when resuming; returns the metrics of every step."""
     t, a, r = config.trainer, config.algorithm, config.rollout
@@ -228,6 +242,7 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
     if checkpoint is not None:
         done, history = roles.load_checkpoint(checkpoint)
         roles.sync_weights(version=done)
+        drop_steps_after(run_dir, done)
         print(f"resumed from {checkpoint} after step {done}")
     else:
         set_aside_earlier_run(run_dir, resuming=t.resume == "auto")

@@ -353,6 +353,24 @@ def test_a_resumed_run_takes_the_recipes_learning_rate_and_refuses_another_model
     assert not isinstance(err.value, ConfigError) and "does not fit" not in str(err.value)
 
 
+def test_a_resumed_run_drops_the_trajectories_and_models_the_interrupted_run_wrote_after_its_checkpoint(tmp_path):
+    """A run killed at step 4 with its last checkpoint at step 2 left step_3 and step_4 files; the
+    resumed run rewrites them as it gets there, but one relaunched with trainer.steps=3 showed the
+    other run's step_4 as its own."""
+    from agentrl.train import drop_steps_after
+
+    (tmp_path / "trajectories").mkdir()
+    for step in range(1, 5):
+        (tmp_path / "trajectories" / f"step_{step}.jsonl").write_text("{}\n")
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "config.json").write_text("{}")
+    (tmp_path / "trajectories" / "step_notes.jsonl").write_text("{}\n")  # not a step's: kept
+    drop_steps_after(tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == ["step_1.jsonl", "step_2.jsonl",
+                                                                           "step_notes.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2", "trajectories"]
+
+
 def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_before_older_ones_are_pruned(tmp_path, monkeypatch):
     """Renaming alone orders nothing on disk: after a power cut, a checkpoint under its final name
     could hold empty files while the older ones were already pruned."""
