@@ -220,6 +220,7 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_serving(served, token
         r = httpx.post(url, content=body, headers={"content-type": "application/json"})
         assert (r.status_code, r.json()["error"]["message"]) == (status, message)
         assert "Traceback" not in r.text
+        assert r.headers.get("x-should-retry") == ("false" if status >= 500 else None)  # the openai client obeys it
     assert httpx.get(f"{server.base_url}/nothing").json()["error"]["message"] == "Not Found"
     r = httpx.post(url, json=ok)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
@@ -296,9 +297,13 @@ async def failing_agent(ctx, task):
     raise ValueError("the framework gave up")
 
 
-async def silent_agent(ctx, task):
-    client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key="unused")  # forgets the session header
+async def headerless_agent(ctx, task):
+    client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key="unused", max_retries=0)  # forgets the session header
     await client.chat.completions.create(model=ctx.model, messages=task.messages())
+
+
+async def silent_agent(ctx, task):
+    """Returns without asking the policy anything."""
 
 
 async def exiting_agent(ctx, task):
@@ -308,9 +313,13 @@ async def exiting_agent(ctx, task):
 
 
 def test_agent_failures_end_the_episode_as_errors(tokenizer):
-    for agent, error in [(failing_agent, "ValueError: the framework gave up"),
-                         (exiting_agent, "SystemExit: 3"),
-                         (silent_agent, "the agent made no chat completion request with its session")]:
+    for agent, error, asked in [
+            (failing_agent, "ValueError: the framework gave up", 1),
+            (exiting_agent, "SystemExit: 3", 1),
+            # refused before the engine: answered, its turn would have shaped the episode unrecorded
+            (headerless_agent, "BadRequestError: Error code: 400 - no session: during an episode every request "
+                               "carries the X-Agentrl-Session header", 0),
+            (silent_agent, "the agent made no chat completion request with its session", 0)]:
         engine = ScriptedEngine(tokenizer, [ANSWER])
         runner = agent_runner(agent, engine, tokenizer)
         try:
@@ -318,7 +327,7 @@ def test_agent_failures_end_the_episode_as_errors(tokenizer):
         finally:
             runner.close()
         assert traj.finish == "error" and traj.error.startswith(error) and traj.reward is None
-        assert traj.metrics["error"] == 1.0 and len(engine.prompts) == 1
+        assert traj.metrics["error"] == 1.0 and len(engine.prompts) == asked
 
 
 async def hanging_agent(ctx, task):

@@ -140,6 +140,58 @@ def test_logit_bias_and_response_format_are_refused_unless_neutral(tokenizer):
         server.stop()
 
 
+@pytest.mark.parametrize("extra,message", [
+    ({"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"},
+     "functions/function_call: the legacy function-calling fields are not supported; send tools"),
+    ({"parallel_tool_calls": False},
+     "parallel_tool_calls: false is not supported; the model may call several tools in one turn"),
+    ({"modalities": ["text", "audio"]}, 'modalities: only ["text"] is supported'),
+    ({"messages": [{"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages.1: the legacy function_call form is not supported; send the call in tool_calls"),
+], ids=["functions", "parallel_tool_calls_false", "audio", "legacy_call_in_history"])
+def test_options_that_change_the_answer_are_refused_not_dropped(tokenizer, extra, message):
+    """These used to be accepted and ignored: the model never saw legacy `functions` and answered
+    in text, a legacy call vanished from the history, `parallel_tool_calls: false` could still get
+    several calls."""
+    with pytest.raises(RequestError) as refused:
+        parse_request(json.dumps({"messages": TASK.messages(), **extra}).encode())
+    assert (refused.value.status, str(refused.value)) == (400, message)
+    service = ChatService(ScriptedEngine(tokenizer, [ANSWER] * 2), tokenizer, parse_hermes, ServeSettings())
+    for neutral in ({"parallel_tool_calls": True}, {"modalities": ["text"]}):
+        assert asyncio.run(ask(service, {"messages": TASK.messages(), **neutral}, None))["choices"][0]["message"][
+            "content"] == ANSWER
+
+
+@pytest.mark.parametrize("depth", [65, 5000])
+def test_call_arguments_nested_deeper_than_a_template_renders_are_a_400(tokenizer, depth):
+    """5000 levels made json.loads raise RecursionError: a 500, which the openai client retries."""
+    deep = "[" * depth + "]" * depth
+    messages = [*TASK.messages(), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": f'{{"expression": {deep}}}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "4"}]
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(ask(service, {"messages": messages}, None))
+    assert (refused.value.status, str(refused.value)) == (
+        400, "messages.1.tool_calls: arguments are nested more than 64 levels deep")
+    assert engine.prompts == []
+
+
+def test_a_request_without_the_session_header_is_refused_during_agent_episodes(tokenizer):
+    """An agent's second client without the header (a planner, a summariser) was answered, and its
+    turns shaped the episode without being in its trajectory."""
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(open_sessions_only=True))
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(ask(service, {"messages": TASK.messages()}, None))
+    assert (refused.value.status, refused.value.code, str(refused.value)) == (
+        400, "session_required", "no session: during an episode every request carries the X-Agentrl-Session "
+                                 "header (ctx.openai_client() sends it; other clients take ctx.headers)")
+    assert engine.prompts == []
+
+
 class LedgerTool:
     """A tool that records its lifecycle; with `hang`, its create never ends unless cancelled."""
 

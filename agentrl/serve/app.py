@@ -66,6 +66,12 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
+# The openai client retries a 500 twice unless told not to. This endpoint's 500s are a template
+# that cannot render the turn, an engine that failed after its own retries, or a bug: asking again
+# would fail again, after sampling again.
+NO_RETRY = {"x-should-retry": "false"}
+
+
 def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="agentrl", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -97,7 +103,7 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
 
     @app.exception_handler(RequestError)
     async def refused(_: Request, e: RequestError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=NO_RETRY if e.status >= 500 else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
@@ -108,6 +114,6 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
     async def crashed(_: Request, e: Exception) -> JSONResponse:
         # Starlette re-raises after answering, so the server logs the traceback
         return JSONResponse(error_body(f"internal error ({type(e).__name__}); see the server log", "internal_error"),
-                            status_code=500)
+                            status_code=500, headers=NO_RETRY)
 
     return app

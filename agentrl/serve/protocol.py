@@ -3,11 +3,13 @@ turn from a request's messages into the dicts a chat template renders.
 
 Only what a token-exact policy server can honour is accepted: one choice, no streaming, no stop
 strings, no penalties or token biases, no tool choice but 'auto', no structured output, no top
-alternatives in `logprobs`. Such options are refused with a message naming them rather than
-ignored, because ignoring them would hand a client something other than what it asked for; their
-neutral values (null, zero, `logit_bias: {}`, `response_format: {"type": "text"}`) are accepted.
-Fields this endpoint does not know are ignored: clients send many optional ones (`seed`,
-`metadata`, `parallel_tool_calls`, a message's `refusal`, ...).
+alternatives in `logprobs`, no limit of one call per turn (`parallel_tool_calls: false`), no
+output but text, none of the legacy `functions`/`function_call` fields. Such options are refused
+with a message naming them rather than ignored, because ignoring them would hand a client
+something other than what it asked for; their neutral values (null, zero, `logit_bias: {}`,
+`response_format: {"type": "text"}`, `parallel_tool_calls: true`, `modalities: ["text"]`) are
+accepted. Fields this endpoint does not know are ignored: clients send many optional ones
+(`seed`, which sampling here does not take, `metadata`, a message's `refusal`, ...).
 
 This module does not sample, keep sessions or speak HTTP.
 """
@@ -19,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentrl.rollout.chat import normalize_tool_calls
+from agentrl.tools.parsers import MAX_ARGUMENT_DEPTH, nesting_depth
 
 SESSION_HEADER = "X-Agentrl-Session"
 
@@ -65,9 +68,13 @@ class MessageIn(_Strict):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    function_call: dict[str, Any] | None = None  # the legacy form of a call: refused, not dropped
 
     @model_validator(mode="after")
     def _content_present(self) -> "MessageIn":
+        if self.function_call is not None:
+            raise ValueError("the legacy function_call form is not supported; send the call in "
+                             "tool_calls")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs 'content'")
         return self
@@ -102,6 +109,10 @@ class ChatRequest(_Strict):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id → bias
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    functions: list[Any] | None = None  # the legacy function-calling API
+    function_call: str | dict[str, Any] | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -122,6 +133,11 @@ class ChatRequest(_Strict):
             (self.response_format not in (None, {"type": "text"}),
              'response_format: only {"type": "text"} is supported; structured output is not'),
             (self.tool_choice not in (None, "auto"), "tool_choice: only 'auto' is supported"),
+            (self.functions is not None or self.function_call is not None,
+             "functions/function_call: the legacy function-calling fields are not supported; send tools"),
+            (self.parallel_tool_calls is False,
+             "parallel_tool_calls: false is not supported; the model may call several tools in one turn"),
+            (self.modalities not in (None, ["text"]), 'modalities: only ["text"] is supported'),
         ]
         for problem, message in refused:
             if problem:
@@ -156,12 +172,19 @@ def chat_messages(messages: list[MessageIn]) -> list[dict[str, Any]]:
     the call id)."""
     call_names = {call.id: call.function.name for m in messages for call in m.tool_calls or [] if call.id}
     out: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = "".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
         role = "system" if m.role == "developer" else m.role
         message: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant" and m.tool_calls:
-            message = normalize_tool_calls({**message, "tool_calls": [c.model_dump() for c in m.tool_calls]})
+            try:
+                message = normalize_tool_calls({**message, "tool_calls": [c.model_dump() for c in m.tool_calls]})
+            except RecursionError:  # json.loads of arguments nested beyond Python's recursion limit
+                message = None
+            if message is None or any(nesting_depth(call["function"]["arguments"]) > MAX_ARGUMENT_DEPTH
+                                      for call in message["tool_calls"]):  # deeper than templates render
+                raise RequestError(f"messages.{i}.tool_calls: arguments are nested more than {MAX_ARGUMENT_DEPTH} "
+                                   "levels deep")
         if role == "tool":
             name = m.name or call_names.get(m.tool_call_id)
             message.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", name)) if v})

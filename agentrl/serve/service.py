@@ -35,7 +35,7 @@ import jinja2
 
 from agentrl.rollout.chat import ChatRenderer, SpecialTextError, TemplateError, stop_token_ids
 from agentrl.rollout.engine import Engine
-from agentrl.serve.protocol import ChatRequest, RequestError, chat_messages
+from agentrl.serve.protocol import SESSION_HEADER, ChatRequest, RequestError, chat_messages
 from agentrl.serve.sessions import Session, SessionStore, commit_turn, plan_turn
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.types import Completion, SamplingParams
@@ -112,6 +112,12 @@ class ChatService:
     async def complete(self, request: ChatRequest, session_id: str | None) -> dict[str, Any]:
         messages, tools = chat_messages(request.messages), request.tools or None
         renderer = self.renderer(tools)
+        if session_id is None and self.settings.open_sessions_only:
+            # An agent's second client without the episode's header (a planner, a summariser):
+            # answered, its turns would shape the episode without being in its trajectory.
+            raise RequestError(f"no session: during an episode every request carries the {SESSION_HEADER} header "
+                               "(ctx.openai_client() sends it; other clients take ctx.headers)",
+                               code="session_required")
         if session_id is None:
             with rendering_errors():
                 ids = renderer.prompt_ids(messages)

@@ -111,7 +111,7 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
         arguments = {}
     if not isinstance(arguments, dict):
         return None, f"the arguments of '{name}' must be a JSON object"
-    if _depth(arguments) > MAX_ARGUMENT_DEPTH:  # JSON parses far deeper than a chat template renders
+    if nesting_depth(arguments) > MAX_ARGUMENT_DEPTH:  # JSON parses far deeper than a chat template renders
         return None, f"the arguments of '{name}' are nested more than {MAX_ARGUMENT_DEPTH} levels deep"
     try:  # a \ud83d escape alone decodes to half a surrogate pair, which no text (nor a UTF-8 file) can hold
         json.dumps([name, arguments], ensure_ascii=False).encode("utf-8")
@@ -123,7 +123,7 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
 MAX_ARGUMENT_DEPTH = 64
 
 
-def _depth(value: Any) -> int:
+def nesting_depth(value: Any) -> int:
     """How deep lists and objects nest in `value` (a scalar: 0), without recursion."""
     deepest, stack = 0, [(value, 1)]
     while stack:
