@@ -60,6 +60,72 @@ async def calculator_agent(ctx, task):
         messages += answers
 
 
+async def streaming_agent(ctx, task):
+    """calculator_agent with `stream=True`, putting each reply together from its chunks as
+    streaming frameworks do; it checks the usage chunk it asked for."""
+    client = ctx.openai_client()
+    messages = task.messages(ctx.system_prompt)
+    for _ in range(8):
+        stream = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools,
+                                                      stream=True, stream_options={"include_usage": True})
+        content, calls, usage, finish = "", {}, None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+                for call in choice.delta.tool_calls or []:
+                    slot = calls.setdefault(call.index, {"id": "", "type": "function",
+                                                         "function": {"name": "", "arguments": ""}})
+                    slot["id"] += call.id or ""
+                    slot["function"]["name"] += call.function.name or ""
+                    slot["function"]["arguments"] += call.function.arguments or ""
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens > usage.prompt_tokens
+        assert finish == ("tool_calls" if calls else "stop")
+        message = {"role": "assistant", "content": content or None}
+        messages.append(message | ({"tool_calls": [calls[i] for i in sorted(calls)]} if calls else {}))
+        answers = await ctx.run_tools([calls[i] for i in sorted(calls)], content)
+        if not answers:
+            return
+        messages += answers
+
+
+def test_a_streaming_agent_records_the_episode_the_plain_one_does(tokenizer):
+    """Streaming was refused, and frameworks that stream by default (LangGraph's message stream,
+    the Agents SDK's run_streamed) failed every episode."""
+    trajectories = []
+    for agent in (calculator_agent, streaming_agent):
+        runner = agent_runner(agent, ScriptedEngine(tokenizer, [CALL, ANSWER]), tokenizer)
+        try:
+            trajectories.append(asyncio.run(runner.run(TASK, "g")))
+        finally:
+            runner.close()
+    plain, streamed = trajectories
+    assert streamed.finish == "stop" and streamed.error is None and streamed.reward == plain.reward == 1.0
+    assert (streamed.token_ids, streamed.loss_mask) == (plain.token_ids, plain.loss_mask)
+    without_ids = lambda traj: [{k: v for k, v in m.items() if k != "tool_call_id"} for m in traj.messages]  # noqa: E731
+    assert without_ids(streamed) == without_ids(plain)  # call ids are drawn per reply
+    assert streamed.metrics["tool_calls"] == 1 and streamed.metrics["segments"] == 1
+
+
+def test_streamed_events_carry_the_answer_and_end_with_done(served):
+    server, _ = served([CALL])
+    body = {"messages": TASK.messages(), "tools": [calculator.schema], "stream": True, "logprobs": True}
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"role": "assistant", "content": None},
+        {"tool_calls": [{"index": 0, "id": chunks[1]["choices"][0]["delta"]["tool_calls"][0]["id"], "type": "function",
+                         "function": {"name": "calculator", "arguments": '{"expression": "1234 * 5678"}'}}]},
+        {}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "tool_calls"]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert len(chunks[0]["choices"][0]["logprobs"]["content"]) > 0 and "usage" not in chunks[0]
+
+
 async def rewriting_agent(ctx, task):
     """Replaces the model's tool-call turn with its own wording before asking again."""
     client = ctx.openai_client()
@@ -209,7 +275,7 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_serving(served, token
         (json.dumps({"messages": "hi"}).encode(), 400, "messages: Input should be a valid array"),
         (json.dumps({**ok, "temperature": "hot"}).encode(), 400, "temperature: Input should be a valid number"),
         (json.dumps({"messages": [{"role": "user"}]}).encode(), 400, "messages.0: a user message needs 'content'"),
-        (json.dumps({**ok, "stream": True}).encode(), 400, "stream: streaming is not supported"),
+        (json.dumps({**ok, "n": 2}).encode(), 400, "n: one choice per request is supported"),
         (json.dumps({**ok, "tools": [{"type": "function"}]}).encode(), 400, "tools.0.function: Field required"),
         (big, 413, f"request body of {len(big)} bytes is over the limit of 2000"),
         (iter([big[:1500], big[1500:]]), 413, "request body is over the limit of 2000 bytes"),  # chunked, no length

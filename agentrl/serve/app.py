@@ -4,10 +4,13 @@ Routes: `POST /v1/chat/completions`, `GET /v1/models`, and `GET` / `DELETE /agen
 for a session's recorded segments. The session of a request is the `X-Agentrl-Session` header,
 else the body's `user` field; a request with neither is served and not recorded.
 
-Every answer is JSON. The body is read by this module (not by FastAPI's parameter binding) so that
-its size is capped while it streams in (413 past `max_body_bytes`) and so that a malformed body
-gets OpenAI's error shape with one line naming the field (400), which OpenAI clients surface as the
-exception message. An unexpected failure answers 500 with the exception's type only; the traceback
+Every answer is JSON, or with `stream: true` the same answer as server-sent events: the turn is
+sampled whole first (its tokens are recorded as one turn either way), then sent as OpenAI's chunks
+(stream_chunks), so frameworks that stream by default (LangGraph's message streaming, the Agents
+SDK's run_streamed over chat completions) work unchanged. The body is read by this module (not by
+FastAPI's parameter binding) so that its size is capped while it streams in (413 past
+`max_body_bytes`) and so that a malformed body gets OpenAI's error shape with one line naming the
+field (400), which OpenAI clients surface as the exception message. An unexpected failure answers 500 with the exception's type only; the traceback
 goes to the server's log, never to the client. A client that hangs up before its answer has its
 request's work cancelled (and its session's turn left unrecorded) rather than finished for nobody.
 
@@ -17,10 +20,11 @@ This module does not sample or record; service.py does.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine, TypeVar
+import json
+from typing import Any, Coroutine, Iterator, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from agentrl.serve.protocol import SESSION_HEADER, RequestError, error_body, parse_request
@@ -66,6 +70,28 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
+def stream_chunks(answer: dict[str, Any], include_usage: bool) -> Iterator[str]:
+    """A `chat.completion` as the `chat.completion.chunk` events OpenAI streams: the role with the
+    text (and its logprobs), one chunk per tool call (`index`, `id`, name and whole arguments), the
+    finish reason, the usage when asked for, then `[DONE]`."""
+    [choice] = answer["choices"]
+    message = choice["message"]
+    head = {key: answer[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    empty_usage = {"usage": None} if include_usage else {}
+
+    def event(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        chunk = head | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        return f"data: {json.dumps(chunk | empty_usage, ensure_ascii=False)}\n\n"
+
+    yield event({"role": "assistant", "content": message["content"]}, logprobs=choice["logprobs"])
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield event({"tool_calls": [{"index": i, **call}]})
+    yield event({}, choice["finish_reason"])
+    if include_usage:
+        yield f"data: {json.dumps(head | {'choices': [], 'usage': answer['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 # The openai client retries a 500 twice unless told not to. This endpoint's 500s are a template
 # that cannot render the turn, an engine that failed after its own retries, or a bug: asking again
 # would fail again, after sampling again.
@@ -80,7 +106,12 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
         chat = parse_request(await read_body(request, max_body_bytes))
         session_id = request.headers.get(SESSION_HEADER) or chat.user
         answer = await until_disconnected(request, service.complete(chat, session_id))
-        return Response(status_code=CLIENT_GONE) if answer is None else JSONResponse(answer)
+        if answer is None:
+            return Response(status_code=CLIENT_GONE)
+        if chat.stream:
+            usage = bool((chat.stream_options or {}).get("include_usage"))
+            return StreamingResponse(stream_chunks(answer, usage), media_type="text/event-stream")
+        return JSONResponse(answer)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

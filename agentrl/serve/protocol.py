@@ -1,7 +1,7 @@
 """The OpenAI chat-completions wire format the endpoint accepts, as strict pydantic models, and the
 turn from a request's messages into the dicts a chat template renders.
 
-Only what a token-exact policy server can honour is accepted: one choice, no streaming, no stop
+Only what a token-exact policy server can honour is accepted: one choice, no stop
 strings, no penalties or token biases, no tool choice but 'auto', no structured output, no top
 alternatives in `logprobs`, no limit of one call per turn (`parallel_tool_calls: false`), no
 output but text, none of the legacy `functions`/`function_call` fields. Such options are refused
@@ -103,7 +103,8 @@ class ChatRequest(_Strict):
     logprobs: bool | None = None  # OpenAI's nullable fields: null means the default
     top_logprobs: int | None = Field(None, ge=0)
     n: int | None = Field(None, ge=1)
-    stream: bool | None = None
+    stream: bool | None = None  # answered as events once the turn is sampled (app.stream_chunks)
+    stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -123,7 +124,6 @@ class ChatRequest(_Strict):
             except ValidationError as e:
                 raise ValueError(describe(e, prefix=f"tools.{i}.")) from None
         refused = [
-            (bool(self.stream), "stream: streaming is not supported"),
             (self.n not in (None, 1), "n: one choice per request is supported"),
             (bool(self.stop), "stop: stop sequences are not supported; turns end at the end-of-turn token"),
             (bool(self.top_logprobs), "top_logprobs: only the sampled token's logprob is available"),
