@@ -160,7 +160,7 @@ def check_resume(config: RecipeConfig, checkpoint: Path | None) -> None:
     """Before any model loads: a ConfigError when the checkpoint `trainer.resume=auto` would continue
     was written with another model, LoRA layout or task pool, or at a step past trainer.steps; one
     warning listing any other setting that changed (a new trainer.lr is a usual reason to resume)."""
-    if checkpoint is None or not (checkpoint / RECIPE).is_file():  # nothing to resume, or written before recipes were kept
+    if checkpoint is None or not (checkpoint / RECIPE).is_file():  # or written before checkpoints kept it
         return
     saved, now = _dotted(json.loads((checkpoint / RECIPE).read_text())), _dotted(config.model_dump(mode="json"))
     changed = [key for key in sorted(saved.keys() | now.keys())
@@ -220,10 +220,10 @@ def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
 
 
 def drop_steps_after(run_dir: Path, done: int) -> None:
-    """The trajectory files and step_N/ models of steps after `done` that the interrupted run wrote
-    before its last checkpoint: the resumed run writes its own as it reaches those steps, and a
-    run that stops sooner would otherwise show the other run's as its own (as metrics.jsonl drops
-    their lines and TensorBoard purges their events)."""
+    """Removes the trajectory files and step_N/ models that the interrupted run wrote for steps after
+    `done`, the checkpoint the run resumes from: the resumed run writes its own as it reaches those
+    steps, and a run that stops sooner would otherwise show the other run's as its own (as
+    metrics.jsonl drops their lines and TensorBoard purges their events)."""
     for path in (run_dir / "trajectories").glob("step_*.jsonl"):
         number = path.stem.removeprefix("step_")
         if number.isdigit() and int(number) > done:

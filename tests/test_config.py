@@ -154,7 +154,8 @@ GREEDY_WARNING = ("agentrl: warning: rollout.temperature 0 samples every episode
 
 @pytest.mark.parametrize("overrides,warnings", [
     (["rollout.top_p=0.9"], [TOP_P_WARNING]),
-    (["rollout.temperature=0", "rollout.top_p=0.9", "algorithm.advantage=rloo"], [GREEDY_WARNING]),  # greedy ignores top_p
+    # greedy sampling ignores top_p
+    (["rollout.temperature=0", "rollout.top_p=0.9", "algorithm.advantage=rloo"], [GREEDY_WARNING]),
     (["rollout.temperature=0", "algorithm.advantage=gae"], []),  # a critic's baseline still tells episodes apart
     ([], []),
 ])

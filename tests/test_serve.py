@@ -103,8 +103,10 @@ def test_a_streaming_agent_records_the_episode_the_plain_one_does(tokenizer):
     plain, streamed = trajectories
     assert streamed.finish == "stop" and streamed.error is None and streamed.reward == plain.reward == 1.0
     assert (streamed.token_ids, streamed.loss_mask) == (plain.token_ids, plain.loss_mask)
-    without_ids = lambda traj: [{k: v for k, v in m.items() if k != "tool_call_id"} for m in traj.messages]  # noqa: E731
-    assert without_ids(streamed) == without_ids(plain)  # call ids are drawn per reply
+    def without_ids(traj):  # call ids are drawn per reply
+        return [{k: v for k, v in m.items() if k != "tool_call_id"} for m in traj.messages]
+
+    assert without_ids(streamed) == without_ids(plain)
     assert streamed.metrics["tool_calls"] == 1 and streamed.metrics["segments"] == 1
 
 

@@ -146,7 +146,8 @@ def test_wandb_receives_project_config_and_grouped_scalars(tmp_path, monkeypatch
     # A resumed run logs into the same W&B run; a fresh one in the same directory starts its own.
     assert (run_dir / "wandb_run_id").read_text() == "3xq9k2ab\n"
     for start_step, again in ((1, {"id": "3xq9k2ab", "resume": "allow"}), (0, {})):
-        with RunLogger(run_dir, {"seed": 3}, total_steps=2, wandb="agentrl-runs", progress=False, start_step=start_step):
+        with RunLogger(run_dir, {"seed": 3}, total_steps=2, wandb="agentrl-runs", progress=False,
+                       start_step=start_step):
             pass
         assert sys.modules["wandb"].calls[-3] == ("init", {"project": "agentrl-runs", "name": "grpo-1",
                                                            "dir": str(run_dir), "config": {"seed": 3}, **again})

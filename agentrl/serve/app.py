@@ -10,9 +10,10 @@ sampled whole first (its tokens are recorded as one turn either way), then sent 
 SDK's run_streamed over chat completions) work unchanged. The body is read by this module (not by
 FastAPI's parameter binding) so that its size is capped while it streams in (413 past
 `max_body_bytes`) and so that a malformed body gets OpenAI's error shape with one line naming the
-field (400), which OpenAI clients surface as the exception message. An unexpected failure answers 500 with the exception's type only; the traceback
-goes to the server's log, never to the client. A client that hangs up before its answer has its
-request's work cancelled (and its session's turn left unrecorded) rather than finished for nobody.
+field (400), which OpenAI clients surface as the exception message. An unexpected failure answers
+500 with the exception's type only; the traceback goes to the server's log, never to the client. A
+client that hangs up before its answer has its request's work cancelled (and its session's turn
+left unrecorded) rather than finished for nobody.
 
 This module does not sample or record; service.py does.
 """

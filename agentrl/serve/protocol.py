@@ -1,10 +1,10 @@
 """The OpenAI chat-completions wire format the endpoint accepts, as strict pydantic models, and the
 turn from a request's messages into the dicts a chat template renders.
 
-Only what a token-exact policy server can honour is accepted: one choice, no stop
-strings, no penalties or token biases, no tool choice but 'auto', no structured output, no top
-alternatives in `logprobs`, no limit of one call per turn (`parallel_tool_calls: false`), no
-output but text, none of the legacy `functions`/`function_call` fields. Such options are refused
+Only what a token-exact policy server can honour is accepted: one choice, no stop strings, no
+penalties or token biases, no tool choice but 'auto', no structured output, no top alternatives in
+`logprobs`, no limit of one call per turn (`parallel_tool_calls: false`), no output but text, none
+of the legacy `functions`/`function_call` fields. Such options are refused
 with a message naming them rather than ignored, because ignoring them would hand a client
 something other than what it asked for; their neutral values (null, zero, `logit_bias: {}`,
 `response_format: {"type": "text"}`, `parallel_tool_calls: true`, `modalities: ["text"]`) are
@@ -73,8 +73,7 @@ class MessageIn(_Strict):
     @model_validator(mode="after")
     def _content_present(self) -> "MessageIn":
         if self.function_call is not None:
-            raise ValueError("the legacy function_call form is not supported; send the call in "
-                             "tool_calls")
+            raise ValueError("the legacy function_call form is not supported; send the call in tool_calls")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs 'content'")
         return self
@@ -177,14 +176,14 @@ def chat_messages(messages: list[MessageIn]) -> list[dict[str, Any]]:
         role = "system" if m.role == "developer" else m.role
         message: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant" and m.tool_calls:
+            too_deep = RequestError(f"messages.{i}.tool_calls: arguments are nested more than "
+                                    f"{MAX_ARGUMENT_DEPTH} levels deep")  # deeper than templates render
             try:
                 message = normalize_tool_calls({**message, "tool_calls": [c.model_dump() for c in m.tool_calls]})
             except RecursionError:  # json.loads of arguments nested beyond Python's recursion limit
-                message = None
-            if message is None or any(nesting_depth(call["function"]["arguments"]) > MAX_ARGUMENT_DEPTH
-                                      for call in message["tool_calls"]):  # deeper than templates render
-                raise RequestError(f"messages.{i}.tool_calls: arguments are nested more than {MAX_ARGUMENT_DEPTH} "
-                                   "levels deep")
+                raise too_deep from None
+            if any(nesting_depth(call["function"]["arguments"]) > MAX_ARGUMENT_DEPTH for call in message["tool_calls"]):
+                raise too_deep
         if role == "tool":
             name = m.name or call_names.get(m.tool_call_id)
             message.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", name)) if v})
