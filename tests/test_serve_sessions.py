@@ -24,7 +24,7 @@ from agentrl.serve.service import ChatService, ServeSettings
 from agentrl.serve.sessions import SessionStore
 from agentrl.tools.parsers import parse_hermes
 from tests.conftest import ScriptedEngine
-from tests.test_serve import ANSWER, TASK, HangingEngine, agent_runner
+from tests.test_serve import ANSWER, CALL, TASK, HangingEngine, agent_runner, calculator_agent
 
 
 async def ask(service: ChatService, messages: list[dict], session_id: str | None = "s") -> dict:
@@ -51,11 +51,72 @@ def test_a_session_keeps_the_records_of_its_last_segments_only(tokenizer):
     assert session.forgotten_segments == 2 and session.forgotten_generated_tokens == sum(generated[:2])
 
 
-def test_agent_episodes_keep_one_segment(tokenizer):
-    runner = agent_runner(None, ScriptedEngine(tokenizer, []), tokenizer)
-    assert runner.service.sessions.max_segments == 1 and runner.service.settings.open_sessions_only
+async def summarising_agent(ctx, task):
+    """calculator_agent with a second conversation in the same session between its turns: after
+    the tool runs it asks the model, without tools, to summarise the task, then goes on."""
+    client = ctx.openai_client()
+    messages = task.messages(ctx.system_prompt)
+    for _ in range(8):
+        response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        answers = await ctx.run_tools(message.tool_calls, message.content)
+        if not answers:
+            return
+        messages += answers
+        await client.chat.completions.create(model=ctx.model, messages=[
+            {"role": "user", "content": f"Summarise in five words: {task.prompt}"}])
+
+
+def test_an_agent_alternating_between_two_conversations_trains_on_its_main_one_whole(tokenizer):
+    """Agent episodes kept one segment and a request continued only the latest: the main
+    conversation's turn after the sub-conversation was rendered afresh, so its first turn was
+    trained nowhere (mask 0 in a new segment) and the episode counted a history rewrite."""
+    engine = ScriptedEngine(tokenizer, [CALL, ANSWER])
+    runner = agent_runner(calculator_agent, engine, tokenizer)
+    try:
+        expected = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+
+    summary = "Multiply two four-digit numbers."
+    engine = ScriptedEngine(tokenizer, [CALL, summary, ANSWER])
+    runner = agent_runner(summarising_agent, engine, tokenizer)
+    try:
+        traj = asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
+    call, said, answer = engine.turns
+    assert engine.prompts[2] == expected.token_ids[:len(engine.prompts[2])]  # appended, not re-rendered
+    assert traj.token_ids == expected.token_ids and traj.loss_mask == expected.loss_mask
+    assert sum(traj.loss_mask) == len(call) + len(answer) and traj.logprobs == expected.logprobs
+    assert traj.messages[-1]["content"] == ANSWER and traj.reward == 1.0 and traj.finish == "stop"
+    assert {k: traj.metrics[k] for k in ("turns", "session_turns", "segments", "dropped_generated_tokens")} == \
+        {"turns": 2.0, "session_turns": 3.0, "segments": 2.0, "dropped_generated_tokens": float(len(said))}
     served = ChatService(ScriptedEngine(tokenizer, []), tokenizer, parse_hermes, ServeSettings())
-    assert served.sessions.max_segments == 8 and not served.settings.open_sessions_only
+    assert runner.service.sessions.max_segments == served.sessions.max_segments == 8
+
+
+def test_a_request_continues_the_longest_segment_it_extends(tokenizer):
+    """A client that re-asked its first question (a new segment whose reply matched the first
+    one's) and then went on with its first conversation: both segments are prefixes of the
+    request; the longer one is extended, the shorter one's record kept as it was."""
+    engine = ScriptedEngine(tokenizer, ["first", "second", "first", "third"])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    u1, u2, u3 = conversation(1), conversation(2), conversation(3)
+    a1, a2 = {"role": "assistant", "content": "first"}, {"role": "assistant", "content": "second"}
+    for messages in ([*u1], [*u1, a1, *u2], [*u1], [*u1, a1, *u2, a2, *u3]):
+        asyncio.run(ask(service, messages))
+    session = service.sessions.get("s")
+    longer, shorter = session.segments[1], session.segments[0]
+    assert [m["content"] for m in longer.record.messages] == \
+        ["Question number 1?", "first", "Question number 2?", "second", "Question number 3?", "third"]
+    assert [m["content"] for m in shorter.record.messages] == ["Question number 1?", "first"]
+    assert longer.turns == 3 and shorter.turns == 1
+    assert engine.prompts[3][:len(engine.prompts[1]) + len(engine.turns[1])] == \
+        engine.prompts[1] + engine.turns[1]  # the longer record, appended to
+    assert longer.record.loss_mask.count(1) == len(engine.turns[0]) + len(engine.turns[1]) + len(engine.turns[3])
+    assert session.metrics()["dropped_generated_tokens"] == len(engine.turns[2])
 
 
 def test_a_request_during_a_delete_lands_in_a_new_session(tokenizer):

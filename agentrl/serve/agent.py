@@ -15,7 +15,8 @@ AgentRunner has EpisodeRunner's interface (`await run(task, group_id) -> Traject
 `.renderer`), so collect.py and the training driver use it unchanged. It starts the endpoint once,
 on 127.0.0.1, on a daemon thread (server.py says why), and opens a fresh session for every
 episode; a request naming another session id (one whose episode has ended, say) is refused.
-The trajectory is the session's last segment (sessions.py says why), with `segments`,
+The trajectory is the session's segment that its last turn extended (sessions.py says why: an
+agent may hold several conversations with the model in one session), with `segments`,
 `history_rewrites` and `dropped_generated_tokens` in its metrics; sampling is the recipe's and each
 session has `rollout.max_turns` turns and `rollout.max_context_tokens` tokens. Finish: that of the
 last sampled turn (`stop`, `length`); `max_turns` or `length` when the endpoint refused a request

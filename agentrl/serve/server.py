@@ -41,8 +41,6 @@ def serve_settings(settings: EpisodeSettings, model_name: str, for_training: boo
                          max_new_tokens=settings.max_new_tokens_per_turn, temperature=settings.temperature,
                          top_p=settings.top_p, fixed_sampling=for_training,
                          max_turns=settings.max_turns if for_training else None,
-                         # an episode trains on its last segment only, and its session is opened for it
-                         max_segments=1 if for_training else ServeSettings.max_segments,
                          open_sessions_only=for_training)
 
 

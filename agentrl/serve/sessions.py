@@ -1,11 +1,14 @@
 """What the endpoint records per session: token ids, loss mask and logprobs, in segments.
 
-A session is one client conversation: every request carrying the same session id (the
-`X-Agentrl-Session` header, else the request's `user` field). A request either continues the
-session's current segment or starts a new one:
+A session is every request carrying the same session id (the `X-Agentrl-Session` header, else the
+request's `user` field). A request either continues one of the session's segments or starts a new
+one:
 
-- it continues when its messages begin with exactly the messages recorded so far and its tool
-  schemas are unchanged. "Exactly" is checked after normalisation (protocol.chat_messages): each of
+- it continues a segment when its messages begin with exactly the messages recorded in it and its
+  tool schemas are the segment's. Any kept segment may be continued, not only the latest: an agent
+  that talks to the model in two conversations under one session (a planner and an executor, a
+  sub-agent that summarises) alternates between them, and each goes on extending its own tokens.
+  Where several match, the longest record wins (then the latest). "Exactly" is checked after normalisation (protocol.chat_messages): each of
   the client's own earlier messages as it sent it, and each assistant reply either as the endpoint
   returned it (OpenAI form: the text outside the calls, calls with JSON-string arguments) or as
   recorded (ChatRenderer.assistant_message). The messages after that prefix are appended as the
@@ -17,9 +20,10 @@ session's current segment or starts a new one:
 
 Each segment is a Trajectory, whose `append` keeps ids, mask and logprobs aligned, so within a
 segment the mask-1 tokens are exactly the sampled ones. A session's trajectory (to_trajectory) is
-its last segment: concatenating segments would train later tokens on a context they were not
-sampled in (a flat causal sequence lets them attend to the earlier segment), so earlier segments
-are left out and their sampled tokens counted in `dropped_generated_tokens`. A session keeps the
+the segment its last turn extended (kept last in `segments`): concatenating segments would train
+later tokens on a context they were not sampled in (a flat causal sequence lets them attend to the
+earlier segment), so the other segments are left out and their sampled tokens counted in
+`dropped_generated_tokens`. A session keeps the
 records of its last `max_segments` segments only (a client that starts a new conversation on every
 request under one `user` would otherwise grow it without bound); older ones are forgotten, their
 counts kept.
@@ -88,6 +92,11 @@ class Session:
             self.forgotten_segments += 1
             self.forgotten_generated_tokens += forgotten.record.num_generated
 
+    def make_latest(self, segment: Segment) -> None:
+        """`segment` was just extended: it becomes the session's trajectory, and the last forgotten."""
+        # by identity: two segments may hold equal records (a branch that sampled the same reply)
+        self.segments = [s for s in self.segments if s is not segment] + [segment]
+
 
 @dataclass
 class TurnPlan:
@@ -110,10 +119,11 @@ def message_key(message: Message) -> str:
 
 def plan_turn(session: Session, renderer: ChatRenderer, messages: list[Message],
               tools: list[dict[str, Any]] | None) -> TurnPlan:
-    """Continue the session's last segment if `messages` extend it, else plan a new segment.
-    `renderer` must render `tools`; the turn's reply is then interpreted with it."""
-    segment = session.segments[-1] if session.segments else None
-    if segment is not None and _continues(segment, messages, tools):
+    """Continue the session's segment that `messages` extend (the longest, then the latest), else
+    plan a new segment. `renderer` must render `tools`; the turn's reply is then interpreted with it."""
+    continued = [(len(s.echoes), i, s) for i, s in enumerate(session.segments) if _continues(s, messages, tools)]
+    if continued:
+        segment = max(continued, key=lambda c: c[:2])[2]
         # equal schemas, but in the order first rendered, so the prefix renders as it did then
         renderer.schemas = segment.tools
         recorded = segment.record.messages
@@ -139,8 +149,10 @@ def commit_turn(session: Session, plan: TurnPlan, completion: Completion, record
         segment = Segment(Trajectory(task_id=session.id, group_id=session.id,
                                      weight_version=completion.weight_version), plan.tools)
         session.start_segment(segment)
-    elif plan.fell_back and segment.last_exact:  # counted once per turn, as the builtin loop does
-        session.template_fallbacks += 1
+    else:
+        if plan.fell_back and segment.last_exact:  # counted once per turn, as the builtin loop does
+            session.template_fallbacks += 1
+        session.make_latest(segment)  # planned and committed under the session's lock: still kept
     record = segment.record
     record.append(plan.added_ids, trainable=False)
     record.append(completion.token_ids, trainable=True, logprobs=completion.logprobs)
