@@ -287,6 +287,7 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_serving(served, token
     for body, status, message in cases:
         r = httpx.post(url, content=body, headers={"content-type": "application/json"})
         assert (r.status_code, r.json()["error"]["message"]) == (status, message)
+        assert r.json()["error"]["type"] == ("server_error" if status >= 500 else "invalid_request_error")
         assert "Traceback" not in r.text
         assert r.headers.get("x-should-retry") == ("false" if status >= 500 else None)  # the openai client obeys it
     assert httpx.get(f"{server.base_url}/nothing").json()["error"]["message"] == "Not Found"

@@ -139,13 +139,13 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(e.detail), "not_found" if e.status_code == 404 else "http_error"),
-                            status_code=e.status_code)
+        code = "not_found" if e.status_code == 404 else "http_error"
+        return JSONResponse(error_body(str(e.detail), code, e.status_code), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def crashed(_: Request, e: Exception) -> JSONResponse:
         # Starlette re-raises after answering, so the server logs the traceback
-        return JSONResponse(error_body(f"internal error ({type(e).__name__}); see the server log", "internal_error"),
-                            status_code=500, headers=NO_RETRY)
+        message = f"internal error ({type(e).__name__}); see the server log"
+        return JSONResponse(error_body(message, "internal_error", 500), status_code=500, headers=NO_RETRY)
 
     return app

@@ -34,12 +34,14 @@ class RequestError(Exception):
         self.message, self.status, self.code = message, status, code
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.code)
+        return error_body(self.message, self.code, self.status)
 
 
-def error_body(message: str, code: str) -> dict[str, Any]:
-    """OpenAI's error shape, which its clients turn into the exception's message."""
-    return {"error": {"message": message, "type": code, "param": None, "code": code}}
+def error_body(message: str, code: str, status: int) -> dict[str, Any]:
+    """OpenAI's error shape, which its clients turn into the exception's message: `type` is the
+    class OpenAI uses for the status (the request's fault, or the server's), `code` the reason."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 class _Strict(BaseModel):
