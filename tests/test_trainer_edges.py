@@ -245,8 +245,11 @@ def lora_model(**options):
     """LoRA on the embeddings, the head and q_proj of a model whose head has its own weight."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(small_llama(tied=False), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"], **options))
+    from agentrl.trainer.lora import peft_wrapping
+
+    with peft_wrapping():
+        model = get_peft_model(small_llama(tied=False), LoraConfig(
+            r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"], **options))
     torch.manual_seed(3)
     for name, parameter in model.named_parameters():
         if "lora_" in name:  # peft starts B at zero; a merge of zeros would prove nothing

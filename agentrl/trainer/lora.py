@@ -14,6 +14,8 @@ run the merged one in both (and `ensure_weight_tying` ties the adapters but merg
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -27,6 +29,16 @@ if TYPE_CHECKING:
     from agentrl.config import LoraSettings
 
 _PEFT_PREFIX = "base_model.model."
+
+
+@contextlib.contextmanager
+def peft_wrapping():
+    """peft (0.21) reads the model's `is_gradient_checkpointing`, which transformers 5.24 deprecated
+    for `is_activation_checkpointing`: a FutureWarning per wrapped model that the user can do
+    nothing about. Only that warning is silenced, only while peft wraps a model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str, seed: int = 0) -> torch.nn.Module:
@@ -52,7 +64,7 @@ def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str, seed: 
     # and merging a loaded adapter leaves the adapter's own base there), not the config's.
     model.config._name_or_path = model.name_or_path = recorded
     try:
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        with torch.random.fork_rng(devices=[]), peft_wrapping():  # the caller's random state is left as it was
             torch.manual_seed(seed)
             return get_peft_model(model, config)
     except ValueError as e:  # peft's NoMatchingPeftModuleError, or a layer type it cannot adapt
@@ -142,4 +154,6 @@ def load_merged(adapter_dir: str, base: str, dtype: str) -> torch.nn.Module:
 
     from agentrl.models import load_model
 
-    return PeftModel.from_pretrained(load_model(base, dtype), adapter_dir).merge_and_unload()
+    model = load_model(base, dtype)
+    with peft_wrapping():
+        return PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
