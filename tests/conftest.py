@@ -72,3 +72,26 @@ class ScriptedEngine:
 
     def resume_memory(self, tags=None):
         return None
+
+
+@pytest.fixture
+def served(tokenizer):
+    """A ChatService on a ScriptedEngine behind the real app on a loopback port."""
+    from agentrl.serve.app import create_app
+    from agentrl.serve.server import BackgroundServer
+    from agentrl.serve.service import ChatService, ServeSettings
+    from agentrl.tools.parsers import parse_hermes
+
+    started = []
+
+    def start(turns, max_body_bytes=1_000_000, engine=None):
+        engine = engine or ScriptedEngine(tokenizer, turns)
+        service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(model_name="scripted"))
+        server = BackgroundServer(create_app(service, max_body_bytes=max_body_bytes))
+        server.start()
+        started.append(server)
+        return server, engine
+
+    yield start
+    for server in started:
+        server.stop()

@@ -31,9 +31,7 @@ from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.rollout.run import build_runner
 from agentrl.serve.agent import AgentRunner, load_agent
-from agentrl.serve.app import create_app
 from agentrl.serve.protocol import RequestError, parse_request
-from agentrl.serve.server import BackgroundServer
 from agentrl.serve.service import ChatService, ServeSettings
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
@@ -152,24 +150,6 @@ def ids_of(tokenizer, messages):
 def agent_runner(agent, engine, tokenizer, **settings) -> AgentRunner:
     return AgentRunner(agent, engine, tokenizer, [calculator], parse_hermes, EpisodeSettings(**settings),
                        reward_fn=gsm8k_reward)
-
-
-@pytest.fixture
-def served(tokenizer):
-    """A ChatService on a ScriptedEngine behind the real app on a loopback port."""
-    started = []
-
-    def start(turns, max_body_bytes=1_000_000, engine=None):
-        engine = engine or ScriptedEngine(tokenizer, turns)
-        service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(model_name="scripted"))
-        server = BackgroundServer(create_app(service, max_body_bytes=max_body_bytes))
-        server.start()
-        started.append(server)
-        return server, engine
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 @pytest.mark.parametrize("first_turn", [CALL, "I will use the calculator.\n" + CALL], ids=["call", "text-and-call"])

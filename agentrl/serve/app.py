@@ -1,6 +1,7 @@
-"""The HTTP face of ChatService: a FastAPI app with OpenAI's chat-completions routes.
+"""The HTTP face of ChatService: a FastAPI app with OpenAI's chat-completions and Responses routes.
 
-Routes: `POST /v1/chat/completions`, `GET /v1/models`, and `GET` / `DELETE /agentrl/sessions/{id}`
+Routes: `POST /v1/chat/completions`, `POST /v1/responses` (OpenAI's Responses API, translated onto
+chat completions by responses.py), `GET /v1/models`, and `GET` / `DELETE /agentrl/sessions/{id}`
 for a session's recorded segments. The session of a request is the `X-Agentrl-Session` header,
 else the body's `user` field; a request with neither is served and not recorded.
 
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from agentrl.serve.protocol import SESSION_HEADER, RequestError, error_body, parse_request
+from agentrl.serve.responses import parse_responses_request, response_events, response_object
 from agentrl.serve.service import ChatService
 from agentrl.serve.sessions import session_json
 
@@ -113,6 +115,19 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
             usage = bool((chat.stream_options or {}).get("include_usage"))
             return StreamingResponse(stream_chunks(answer, usage), media_type="text/event-stream")
         return JSONResponse(answer)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        asked = parse_responses_request(await read_body(request, max_body_bytes))
+        chat = asked.chat_request()
+        answer = await until_disconnected(request, service.complete(chat, request.headers.get(SESSION_HEADER)
+                                                                    or chat.user))
+        if answer is None:
+            return Response(status_code=CLIENT_GONE)
+        response = response_object(asked, answer)
+        if asked.stream:
+            return StreamingResponse(response_events(response), media_type="text/event-stream")
+        return JSONResponse(response)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
