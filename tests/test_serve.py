@@ -35,7 +35,7 @@ from agentrl.serve.protocol import RequestError, parse_request
 from agentrl.serve.service import ChatService, ServeSettings
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
-from agentrl.types import Completion, Task
+from agentrl.types import Completion, Task, Trajectory
 from tests.conftest import ScriptedEngine, make_tiny_llama
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}\n</tool_call>'
@@ -43,9 +43,10 @@ ANSWER = "1234 * 5678 = 7006652. The answer is 7006652."
 TASK = Task(id="t1", prompt="What is 1234 * 5678?", answer="#### 7006652")
 
 
-async def calculator_agent(ctx, task):
+async def calculator_agent(ctx, task, after_tools=None):
     """A plain OpenAI-client tool loop, as a user would write it (the README's): it also answers
-    the malformed call blocks left in a reply, and stops when nothing was called."""
+    the malformed call blocks left in a reply, and stops when nothing was called. `after_tools`,
+    given, is awaited with the client after each turn's tools ran."""
     client = ctx.openai_client()
     messages = task.messages(ctx.system_prompt)
     for _ in range(8):
@@ -56,6 +57,8 @@ async def calculator_agent(ctx, task):
         if not answers:
             return
         messages += answers
+        if after_tools is not None:
+            await after_tools(client)
 
 
 async def streaming_agent(ctx, task):
@@ -91,14 +94,8 @@ async def streaming_agent(ctx, task):
 def test_a_streaming_agent_records_the_episode_the_plain_one_does(tokenizer):
     """Streaming was refused, and frameworks that stream by default (LangGraph's message stream,
     the Agents SDK's run_streamed) failed every episode."""
-    trajectories = []
-    for agent in (calculator_agent, streaming_agent):
-        runner = agent_runner(agent, ScriptedEngine(tokenizer, [CALL, ANSWER]), tokenizer)
-        try:
-            trajectories.append(asyncio.run(runner.run(TASK, "g")))
-        finally:
-            runner.close()
-    plain, streamed = trajectories
+    plain, streamed = (run_agent(agent, ScriptedEngine(tokenizer, [CALL, ANSWER]), tokenizer)
+                       for agent in (calculator_agent, streaming_agent))
     assert streamed.finish == "stop" and streamed.error is None and streamed.reward == plain.reward == 1.0
     assert (streamed.token_ids, streamed.loss_mask) == (plain.token_ids, plain.loss_mask)
     def without_ids(traj):  # call ids are drawn per reply
@@ -150,6 +147,15 @@ def ids_of(tokenizer, messages):
 def agent_runner(agent, engine, tokenizer, **settings) -> AgentRunner:
     return AgentRunner(agent, engine, tokenizer, [calculator], parse_hermes, EpisodeSettings(**settings),
                        reward_fn=gsm8k_reward)
+
+
+def run_agent(agent, engine, tokenizer, **settings) -> Trajectory:
+    """One episode of TASK by `agent` on `engine`, its runner closed after."""
+    runner = agent_runner(agent, engine, tokenizer, **settings)
+    try:
+        return asyncio.run(runner.run(TASK, "g"))
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("first_turn", [CALL, "I will use the calculator.\n" + CALL], ids=["call", "text-and-call"])

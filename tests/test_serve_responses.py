@@ -7,7 +7,6 @@ openai client) except the policy's sampling, scripted where a test needs a speci
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 
 from agentrl.tools.builtin.calculator import calculator
 from tests.conftest import ScriptedEngine
-from tests.test_serve import ANSWER, CALL, TASK, agent_runner, calculator_agent
+from tests.test_serve import ANSWER, CALL, TASK, calculator_agent, run_agent
 
 
 def responses_tools(chat_tools: list[dict]) -> list[dict]:
@@ -67,14 +66,8 @@ async def streaming_responses_agent(ctx, task):
 @pytest.mark.parametrize("first_turn", [CALL, "I will use the calculator.\n" + CALL], ids=["call", "text-and-call"])
 def test_a_responses_agent_records_the_episode_a_chat_agent_does(agent, first_turn, tokenizer):
     """POST /v1/responses was a 404, and the OpenAI Agents SDK speaks the Responses API by default."""
-    trajectories = []
-    for each in (calculator_agent, agent):
-        runner = agent_runner(each, ScriptedEngine(tokenizer, [first_turn, ANSWER]), tokenizer)
-        try:
-            trajectories.append(asyncio.run(runner.run(TASK, "g")))
-        finally:
-            runner.close()
-    chat, responses = trajectories
+    chat, responses = (run_agent(each, ScriptedEngine(tokenizer, [first_turn, ANSWER]), tokenizer)
+                       for each in (calculator_agent, agent))
     assert responses.error is None and responses.finish == "stop" and responses.reward == chat.reward == 1.0
     assert (responses.token_ids, responses.loss_mask, responses.logprobs) == \
         (chat.token_ids, chat.loss_mask, chat.logprobs)

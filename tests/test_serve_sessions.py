@@ -24,7 +24,7 @@ from agentrl.serve.service import ChatService, ServeSettings
 from agentrl.serve.sessions import SessionStore
 from agentrl.tools.parsers import parse_hermes
 from tests.conftest import ScriptedEngine
-from tests.test_serve import ANSWER, CALL, TASK, HangingEngine, agent_runner, calculator_agent
+from tests.test_serve import ANSWER, CALL, TASK, HangingEngine, agent_runner, calculator_agent, run_agent
 
 
 async def ask(service: ChatService, messages: list[dict], session_id: str | None = "s") -> dict:
@@ -54,38 +54,21 @@ def test_a_session_keeps_the_records_of_its_last_segments_only(tokenizer):
 async def summarising_agent(ctx, task):
     """calculator_agent with a second conversation in the same session between its turns: after
     the tool runs it asks the model, without tools, to summarise the task, then goes on."""
-    client = ctx.openai_client()
-    messages = task.messages(ctx.system_prompt)
-    for _ in range(8):
-        response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
-        message = response.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        answers = await ctx.run_tools(message.tool_calls, message.content)
-        if not answers:
-            return
-        messages += answers
+
+    async def summarise(client):
         await client.chat.completions.create(model=ctx.model, messages=[
             {"role": "user", "content": f"Summarise in five words: {task.prompt}"}])
+
+    await calculator_agent(ctx, task, after_tools=summarise)
 
 
 def test_an_agent_alternating_between_two_conversations_trains_on_its_main_one_whole(tokenizer):
     """Agent episodes kept one segment and a request continued only the latest: the main
     conversation's turn after the sub-conversation was rendered afresh, so its first turn was
     trained nowhere (mask 0 in a new segment) and the episode counted a history rewrite."""
-    engine = ScriptedEngine(tokenizer, [CALL, ANSWER])
-    runner = agent_runner(calculator_agent, engine, tokenizer)
-    try:
-        expected = asyncio.run(runner.run(TASK, "g"))
-    finally:
-        runner.close()
-
-    summary = "Multiply two four-digit numbers."
-    engine = ScriptedEngine(tokenizer, [CALL, summary, ANSWER])
-    runner = agent_runner(summarising_agent, engine, tokenizer)
-    try:
-        traj = asyncio.run(runner.run(TASK, "g"))
-    finally:
-        runner.close()
+    expected = run_agent(calculator_agent, ScriptedEngine(tokenizer, [CALL, ANSWER]), tokenizer)
+    engine = ScriptedEngine(tokenizer, [CALL, "Multiply two four-digit numbers.", ANSWER])
+    traj = run_agent(summarising_agent, engine, tokenizer)
     call, said, answer = engine.turns
     assert engine.prompts[2] == expected.token_ids[:len(engine.prompts[2])]  # appended, not re-rendered
     assert traj.token_ids == expected.token_ids and traj.loss_mask == expected.loss_mask
@@ -93,8 +76,8 @@ def test_an_agent_alternating_between_two_conversations_trains_on_its_main_one_w
     assert traj.messages[-1]["content"] == ANSWER and traj.reward == 1.0 and traj.finish == "stop"
     assert {k: traj.metrics[k] for k in ("turns", "session_turns", "segments", "dropped_generated_tokens")} == \
         {"turns": 2.0, "session_turns": 3.0, "segments": 2.0, "dropped_generated_tokens": float(len(said))}
-    served = ChatService(ScriptedEngine(tokenizer, []), tokenizer, parse_hermes, ServeSettings())
-    assert runner.service.sessions.max_segments == served.sessions.max_segments == 8
+    runner = agent_runner(None, ScriptedEngine(tokenizer, []), tokenizer)
+    assert runner.service.sessions.max_segments == ServeSettings().max_segments == 8
 
 
 def test_a_request_continues_the_longest_segment_it_extends(tokenizer):
