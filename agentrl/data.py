@@ -210,9 +210,13 @@ def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answ
     tool_kwargs = row.get("tool_kwargs") or {}
     if not isinstance(tool_kwargs, dict) or not all(isinstance(v, dict) for v in tool_kwargs.values()):
         raise ConfigError(f"{where}: 'tool_kwargs' must map tool names to mappings of create() arguments")
+    interaction_kwargs = row.get("interaction_kwargs") or {}
+    if not isinstance(interaction_kwargs, dict):
+        raise ConfigError(f"{where}: 'interaction_kwargs' must be a mapping (the interaction reads it as "
+                          f"task.interaction_kwargs), not {_kind(interaction_kwargs)}")
     return Task(id=str(row[id_key]) if id_key else f"row-{index}", prompt=prompt,
                 answer=None if answer is None else str(answer), tool_kwargs=tool_kwargs,
-                metadata={"row": index, "where": where})
+                interaction_kwargs=interaction_kwargs, metadata={"row": index, "where": where})
 
 
 def _required(row: dict[str, Any], key: str, where: str, hint: str = "") -> Any:

@@ -70,6 +70,9 @@ def training_warnings(config: RecipeConfig) -> list[str]:
     if r.temperature == 0 and a.advantage in GROUP_ESTIMATORS:
         found.append(f"rollout.temperature 0 samples every episode of a task alike: algorithm.advantage "
                      f"'{a.advantage}' compares them with each other, so every advantage is 0 and nothing is learnt")
+    if config.reward.interaction_scores and not r.interaction_config:
+        found.append("reward.interaction_scores is true but rollout.interaction_config names no interaction: "
+                     "no score is added")
     return found
 
 

@@ -21,6 +21,7 @@ class Task:
     prompt: str | list[dict[str, Any]]  # a user question, or a full list of chat messages
     answer: str | None = None  # ground truth, handed to rewards, tools and interactions
     tool_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # tool name -> create() kwargs
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)  # the interaction's per-task settings
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def messages(self, system_prompt: str | None = None) -> list[dict[str, Any]]:

@@ -157,6 +157,8 @@ GREEDY_WARNING = ("agentrl: warning: rollout.temperature 0 samples every episode
     # greedy sampling ignores top_p
     (["rollout.temperature=0", "rollout.top_p=0.9", "algorithm.advantage=rloo"], [GREEDY_WARNING]),
     (["rollout.temperature=0", "algorithm.advantage=gae"], []),  # a critic's baseline still tells episodes apart
+    (["reward.interaction_scores=true"], ["agentrl: warning: reward.interaction_scores is true but "
+                                          "rollout.interaction_config names no interaction: no score is added"]),
     ([], []),
 ])
 def test_train_warns_of_settings_that_train_but_not_as_meant_before_any_model_loads(overrides, warnings):

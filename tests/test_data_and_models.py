@@ -53,6 +53,8 @@ def test_jsonl_rows_with_field_mapping(tmp_path):
      "3: 'question': message 1: role 'human' is not one of system, user, assistant, tool"),
     ('{"question": "q", "answer": "1", "tool_kwargs": {"calculator": 1}}',
      "3: 'tool_kwargs' must map tool names to mappings of create() arguments"),
+    ('{"question": "q", "answer": "1", "interaction_kwargs": "strict"}',
+     "3: 'interaction_kwargs' must be a mapping (the interaction reads it as task.interaction_kwargs), not str"),
     ('{"question": "q", "answer": "#### 3",', "3: not valid JSON (Expecting property name enclosed in double quotes)"),
     ("[1, 2]", "3: expected a JSON object"),
     ('{"question": "q", "answer": NaN}', "3: not valid JSON (NaN is not JSON)"),  # it would have been 'nan'
@@ -70,13 +72,15 @@ def test_a_bad_task_row_names_its_file_and_line(tmp_path, line, message):
 
 def test_jsonl_rows_keep_numbers_kwargs_and_line_separators_inside_strings(tmp_path):
     path = tmp_path / "tasks.jsonl"
-    rows = [{"question": "line one\u2028line two\u0085", "answer": 42, "tool_kwargs": {"calculator": {"x": 1}}},
+    rows = [{"question": "line one\u2028line two\u0085", "answer": 42, "tool_kwargs": {"calculator": {"x": 1}},
+             "interaction_kwargs": {"persona": "impatient", "goal": ["book", "pay"]}},
             {"question": [{"role": "user", "content": "hi"}], "answer": "#### 1"}]
     path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
     tasks = dataset_tasks("files", [str(path)], "train", "question", "answer")
     assert [(t.prompt, t.answer, t.tool_kwargs) for t in tasks] == [
         ("line one\u2028line two\u0085", "42", {"calculator": {"x": 1}}),
         ([{"role": "user", "content": "hi"}], "#### 1", {})]
+    assert [t.interaction_kwargs for t in tasks] == [{"persona": "impatient", "goal": ["book", "pay"]}, {}]
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n \n")
     assert dataset_tasks("files", [str(blank)], "train", "question", "answer") == []

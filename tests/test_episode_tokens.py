@@ -200,7 +200,7 @@ def test_an_interaction_that_fails_to_start_still_gets_the_tools_released(tokeni
     runner = EpisodeRunner(ScriptedEngine(tokenizer, [ANSWER]), tokenizer, [Counter()], parse_hermes,
                            EpisodeSettings(), interaction_factory=BrokenInteraction)
     traj = asyncio.run(runner.run(TASK, "g"))
-    assert (traj.finish, traj.error) == ("error", "RuntimeError: no judge today")
+    assert (traj.finish, traj.error) == ("error", "InteractionError: the interaction's start raised RuntimeError: no judge today")
     assert events == ["create", "release", "interaction finish"]
 
 

@@ -204,7 +204,7 @@ def test_a_judge_or_reward_function_cannot_change_what_the_episode_recorded(toke
     runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(), interaction_factory=MeddlingJudge,
                            reward_fn=meddling_reward)
     traj = asyncio.run(runner.run(TASK, group_id="g"))
-    assert traj.finish == "error" and traj.error == "TypeError: the interaction's respond returned text None, not a string"
+    assert traj.finish == "error" and traj.error == "InteractionError: the interaction's respond returned text None, not a string"
     assert [(m["role"], m["content"]) for m in traj.messages] == [
         ("user", TASK.prompt), ("assistant", "It is 70."), ("user", "Try again."), ("assistant", "It is 72.")]
     assert tokenizer.decode(traj.token_ids) + "\n" == tokenizer.apply_chat_template(traj.messages, tokenize=False)
@@ -213,3 +213,143 @@ def test_a_judge_or_reward_function_cannot_change_what_the_episode_recorded(toke
     runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(), reward_fn=meddling_reward)
     traj = asyncio.run(runner.run(TASK, group_id="g"))
     assert traj.reward == 1.0 and seen == ["It is 72."] and len(traj.messages) == 2
+
+
+class Replying:
+    """An interaction whose every reply is `reply`, recording its calls in `log`."""
+
+    def __init__(self, reply, log=None):
+        self.reply, self.log = reply, log if log is not None else []
+
+    async def start(self, task):
+        self.log.append(("start", dict(task.interaction_kwargs)))
+
+    async def respond(self, messages):
+        self.log.append("respond")
+        if isinstance(self.reply, BaseException):
+            raise self.reply
+        return self.reply
+
+    async def finish(self):
+        self.log.append("finish")
+
+
+def run_with(tokenizer, interaction, turns=("4", "5"), tools=(), task=TASK):
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, list(turns)), tokenizer, list(tools), parse_hermes,
+                           EpisodeSettings(), interaction_factory=interaction)
+    return asyncio.run(runner.run(task, "g"))
+
+
+@pytest.mark.parametrize("reply,error", [
+    ((False, "Try again.", 0.0, {}), "returned (False, 'Try again.', 0.0, {}), not a Turn(text, done, score) "
+                                      "(agentrl.env.interaction.Turn; verl's (done, text, score, metadata) tuple is "
+                                      "not one)"),
+    (Turn("Try again.", "false"), "returned done='false', not True or False"),  # a truthy string ended the episode
+    (KeyError("score"), "raised KeyError: 'score'"),  # read like a reward function's failure
+    (TimeoutError("judge API: read timed out"), "raised TimeoutError: judge API: read timed out"),
+])
+def test_an_interactions_failure_is_named_as_the_interactions(tokenizer, reply, error):
+    """A tuple failed with "'tuple' object has no attribute 'score'", a judge's own TimeoutError
+    was reported as rollout.interaction_timeout_s running out (its message dropped), and what
+    respond raised read like anyone's."""
+    log = []
+    traj = run_with(tokenizer, lambda: Replying(reply, log))
+    assert (traj.finish, traj.error) == ("error", f"InteractionError: the interaction's respond {error}")
+    assert log == [("start", {}), "respond", "finish"]
+
+
+def test_every_episode_builds_its_interaction_from_its_own_config_and_sees_its_tasks_kwargs(tmp_path, tokenizer):
+    """The config's list was one object shared by every episode's instance."""
+    path = tmp_path / "judge.yaml"
+    path.write_text("interactions:\n  - {class: tests.test_interaction_and_rewards:Replying, "
+                    "config: {reply: null, log: [seed]}}\n")
+    factory = load_interaction(path)
+    task = Task(id="q", prompt="Book a flight.", interaction_kwargs={"persona": "impatient"})
+    first, second = run_with(tokenizer, factory, task=task), run_with(tokenizer, factory, task=task)
+    assert first.error == second.error == "InteractionError: the interaction's respond returned None, not a " \
+        "Turn(text, done, score) (agentrl.env.interaction.Turn; verl's (done, text, score, metadata) tuple is not one)"
+    assert factory().log == ["seed"]  # no episode's calls in a later instance's config
+    instance = factory()
+    asyncio.run(instance.start(task))
+    assert instance.log == ["seed", ("start", {"persona": "impatient"})]
+
+
+class ExitingJudge(Replying):
+    def __init__(self):
+        raise SystemExit("judge CLI: missing --api-key")
+
+
+def test_an_interaction_constructor_that_exits_is_a_config_error_at_load_and_a_failed_episode_later(tmp_path,
+                                                                                                      tokenizer):
+    path = tmp_path / "judge.yaml"
+    path.write_text("interactions:\n  - {class: tests.test_interaction_and_rewards:ExitingJudge}\n")
+    with pytest.raises(ConfigError) as err:  # SystemExit went through the loader
+        load_interaction(path)
+    assert str(err.value) == (f"{path}: interaction 'tests.test_interaction_and_rewards:ExitingJudge': config {{}} "
+                              "rejected (SystemExit: judge CLI: missing --api-key)")
+    traj = run_with(tokenizer, ExitingJudge)  # one that starts failing mid-run: this episode, not the run
+    assert (traj.finish, traj.error) == ("error", "InteractionError: the interaction's constructor raised "
+                                                  "SystemExit: judge CLI: missing --api-key")
+
+
+def test_a_second_cancellation_during_the_tools_release_still_finishes_the_interaction(tokenizer):
+    """finish() was awaited after the tools' release, so a cancellation landing there skipped it and
+    a remote judge's session leaked."""
+    log = []
+
+    class SlowRelease:
+        schema = {"type": "function", "function": {"name": "t", "description": "d",
+                                                   "parameters": {"type": "object", "properties": {}}}}
+
+        async def create(self, instance_id, **kwargs):
+            return instance_id
+
+        async def execute(self, instance_id, arguments):
+            return "x"
+
+        async def reward(self, instance_id):
+            return 0.0
+
+        async def release(self, instance_id):
+            log.append("release begins")
+            await asyncio.sleep(0.2)
+
+    class Stuck(ScriptedEngine):
+        async def generate(self, token_ids, sampling):
+            await asyncio.sleep(10)
+
+    async def scenario():
+        runner = EpisodeRunner(Stuck(tokenizer, []), tokenizer, [SlowRelease()], parse_hermes, EpisodeSettings(),
+                               interaction_factory=lambda: Replying(None, log))
+        episode = asyncio.create_task(runner.run(TASK, "g"))
+        while ("start", {}) not in log:
+            await asyncio.sleep(0.01)
+        episode.cancel()
+        while "release begins" not in log:
+            await asyncio.sleep(0.01)
+        episode.cancel()  # a second one, as a stopping run sends
+        with pytest.raises(asyncio.CancelledError):
+            await episode
+
+    asyncio.run(scenario())
+    assert log == [("start", {}), "release begins", "finish"]
+
+
+def test_a_tools_own_timeout_error_keeps_its_message_and_is_not_counted_as_a_timeout(tokenizer):
+    from agentrl.tools.base import tool
+
+    @tool
+    def fetch(url: str) -> str:
+        """Fetch a page.
+
+        Args:
+            url: where
+        """
+        raise TimeoutError("upstream 504")
+
+    call = '<tool_call>\n{"name": "fetch", "arguments": {"url": "http://127.0.0.1:9/"}}\n</tool_call>'
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, [call, "Done."]), tokenizer, [fetch], parse_hermes,
+                           EpisodeSettings())
+    traj = asyncio.run(runner.run(TASK, "g"))
+    assert traj.messages[2]["content"] == "Error: fetch failed: TimeoutError: upstream 504"
+    assert traj.metrics["tool_timeouts"] == 0 and traj.metrics["tool_errors"] == 1

@@ -251,9 +251,13 @@ def test_the_tool_server_counts_its_own_500s():
 
 
 def test_an_interaction_score_that_is_not_a_number_is_left_out_and_counted(tokenizer):
+    """None means a reply is not scored (as a tool's reward None); NaN and a bool are invalid, and
+    their count reaches the step's metrics (it was kept per episode only)."""
     from agentrl.env.interaction import Turn
+    from agentrl.rollout.collect import summarize
 
-    replies = iter([Turn("Try again.", False, math.nan), Turn("Again.", False, None), Turn("Right.", True, 0.25)])
+    replies = iter([Turn("Try again.", False, math.nan), Turn("Again.", False, None), Turn("More.", False, True),
+                    Turn("Right.", True, 0.25)])
 
     class Judge:
         async def start(self, task):
@@ -265,12 +269,22 @@ def test_an_interaction_score_that_is_not_a_number_is_left_out_and_counted(token
         async def finish(self):
             return None
 
-    engine = ScriptedEngine(tokenizer, ["4", "5", "6"])
+    engine = ScriptedEngine(tokenizer, ["4", "5", "6", "7"])
     runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(interaction_scores=True),
                            interaction_factory=Judge, reward_fn=lambda task, messages: 1.0)
     traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), "g"))
     assert traj.finish == "stop" and traj.reward == 1.25
     assert traj.metrics["interaction_invalid_scores"] == 2 and traj.metrics["interaction_score"] == 0.25
+    summary = summarize([traj, traj], 1.0)
+    assert (summary["interaction_invalid_scores"], summary["interaction_score_mean"]) == (4.0, 0.25)
+    assert "interaction_score_mean" not in summarize([run_without_interaction(tokenizer)], 1.0)
+
+
+def run_without_interaction(tokenizer):
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, ["4"]), tokenizer, [], parse_hermes, EpisodeSettings())
+    traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), "g"))
+    assert "interaction_score" not in traj.metrics and "interaction_invalid_scores" not in traj.metrics
+    return traj
 
 
 def test_an_episode_out_of_turns_is_max_turns_even_when_the_last_tool_output_would_not_fit(tokenizer):
@@ -390,7 +404,7 @@ def test_an_interaction_that_never_answers_fails_its_episode_within_the_timeout(
     runner = EpisodeRunner(ScriptedEngine(tokenizer, ["4"]), tokenizer, [], parse_hermes, settings,
                            interaction_factory=lambda: Judged(log, fail_finish=True))
     traj = run_with_daemon_threads(runner.run(Task(id="t", prompt="Go."), "g"))
-    assert (traj.finish, traj.error) == ("error", "RuntimeError: lost the judge's session")
+    assert (traj.finish, traj.error) == ("error", "InteractionError: the interaction's finish raised RuntimeError: lost the judge's session")
 
 
 def test_a_call_that_swallows_even_its_closing_does_not_hang_the_run(tmp_path):

@@ -1,11 +1,15 @@
 """Interactions: the simulated user or environment that answers an assistant turn without tool calls.
 
 Loaded from YAML like tools (`interactions: [{class: module:attr, config: {...}}]`); a fresh
-instance serves each episode, so an interaction may keep per-episode state in `self`.
+instance serves each episode, built from its own copy of the config, so an interaction may keep
+per-episode state in `self` (and in the config's lists and mappings) without one episode seeing
+another's. Per-task settings (a simulated user's persona, a judge's rubric) come from the task
+file's `interaction_kwargs` column, as `task.interaction_kwargs` in `start(task)`.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +18,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from agentrl.errors import ConfigError
 from agentrl.tools.loader import (async_problem, class_problem, entry_config, masked, read_yaml_list,
                                   resolve_reference, typed_config)
+from agentrl.tools.threads import failure_text
 from agentrl.types import Task
 
 ENTRY_POINT_GROUP = "agentrl.interactions"
@@ -21,11 +26,17 @@ ENTRY_POINT_GROUP = "agentrl.interactions"
 
 @dataclass
 class Turn:
-    """The interaction's reply: text shown as a user turn, whether the episode ends, a score."""
+    """The interaction's reply: text shown as a user turn, whether the episode ends (a bool), a
+    score (a finite number; None when the reply is not scored)."""
 
     text: str
     done: bool
-    score: float = 0.0
+    score: float | None = 0.0
+
+
+class InteractionError(Exception):
+    """What an interaction did wrong in an episode (raised, or returned something other than a
+    Turn), named as the interaction's: the episode fails with it, and the run goes on."""
 
 
 @runtime_checkable
@@ -62,12 +73,13 @@ def load_interaction(path: str | Path) -> Callable[[], Interaction]:
         raise ConfigError(f"{where}: {e}") from None
 
     def factory() -> Interaction:
-        return cls(**config)
+        return cls(**copy.deepcopy(config))
 
     try:
         probe = factory()
-    except Exception as e:
-        raise ConfigError(f"{where}: config {masked(config)} rejected ({e})") from None
+    except (Exception, SystemExit) as e:  # SystemExit: a constructor parsing arguments argparse-style
+        detail = failure_text(e) if isinstance(e, SystemExit) else e  # SystemExit(2) alone reads "2"
+        raise ConfigError(f"{where}: config {masked(config)} rejected ({detail})") from None
     problem = async_problem(probe, ("start", "respond", "finish"))
     if problem:
         raise ConfigError(f"{where}: {problem}")

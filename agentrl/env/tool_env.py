@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 from agentrl.tools.parsers import ParsedTurn
-from agentrl.tools.threads import call_plugin, failure_text
+from agentrl.tools.threads import CallTimeout, call_plugin, failure_text
 from agentrl.types import Task, ToolCall
 
 
@@ -63,7 +63,7 @@ class ToolEnv:
             except Exception as e:  # a tool that cannot start is reported at its first call
                 self.metrics["tool_lifecycle_errors"] += 1
                 self.start_errors[name] = (f"TimeoutError: no answer within {self.limits.timeout_s:g} s"
-                                           if isinstance(e, asyncio.TimeoutError) else failure_text(e))
+                                           if isinstance(e, CallTimeout) else failure_text(e))
                 # What a failed create made before it failed is the tool's to free, as after any episode.
                 await self._quietly(t.release(instance_id))
 
@@ -103,7 +103,7 @@ class ToolEnv:
             result = await call_plugin(self.tools[call.name].execute(self.instance_ids[call.name], arguments),
                                        self.limits.timeout_s, f"the tool '{call.name}' (execute)")
             text = self._result_text(call.name, result)
-        except asyncio.TimeoutError:
+        except CallTimeout:
             self.metrics["tool_timeouts"] += 1
             self._count(call.name, "errors")
             return f"Error: {call.name} did not finish within {self.limits.timeout_s:g} s."

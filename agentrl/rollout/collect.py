@@ -106,7 +106,8 @@ def jsonl_line(traj: Trajectory, step: int | None = None) -> str:
 
 def summarize(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]:
     """Run-level numbers: reward (over episodes that did not fail), failures, tool use and errors per
-    tool, turns, finish reasons, the share of tokens trained, throughput."""
+    tool, turns, the interaction's scores and the ones it returned that were not numbers (in runs
+    with one), finish reasons, the share of tokens trained, throughput."""
     n = max(len(trajectories), 1)
     ok = [t for t in trajectories if t.finish != "error"]
     total = lambda key: sum(t.metrics.get(key, 0.0) for t in trajectories)  # noqa: E731
@@ -130,6 +131,10 @@ def summarize(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]
         "tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
         "wall_s": wall_s,
     }
+    if any("interaction_invalid_scores" in t.metrics for t in trajectories):  # a run with an interaction
+        scored = [t for t in ok if "interaction_score" in t.metrics]
+        summary["interaction_score_mean"] = sum(t.metrics["interaction_score"] for t in scored) / max(len(scored), 1)
+        summary["interaction_invalid_scores"] = total("interaction_invalid_scores")
     for finish in ("stop", "length", "max_turns", "error"):
         summary[f"finish_{finish}"] = sum(1 for t in trajectories if t.finish == finish) / n
     for name in sorted({key.split("/")[1] for t in trajectories for key in t.metrics if key.startswith("tool/")}):

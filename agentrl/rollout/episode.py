@@ -14,7 +14,6 @@ This module does not batch (the engine does), schedule episodes (collect.py does
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import math
 import sys
@@ -23,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, TypeVar
 
-from agentrl.env.interaction import Interaction
+from agentrl.env.interaction import Interaction, InteractionError, Turn
 from agentrl.env.rewards import RewardFn
 from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.rollout.chat import ChatRenderer
@@ -31,8 +30,9 @@ from agentrl.rollout.engine import Engine
 from agentrl.tools.base import REWARD_LIMIT, Tool, finite_number
 from agentrl.tools.loader import close_tools
 from agentrl.tools.parsers import ParsedTurn
-from agentrl.tools.threads import PluginError, call_plugin, failure_text
+from agentrl.tools.threads import CallTimeout, PluginError, call_plugin, failure_text
 from agentrl.types import SamplingParams, Task, Trajectory
+from agentrl.yaml_files import one_line
 
 T = TypeVar("T")
 
@@ -95,7 +95,7 @@ class EpisodeRunner:
         interaction, scores, turns, fallbacks = None, [], 0, 0  # scores: the interaction's, one per reply
         try:  # from here on, whatever fails, the tools' and the interaction's instances are released
             await env.start(uuid.uuid4().hex[:12], task)
-            interaction = self.interaction_factory() if self.interaction_factory else None
+            interaction = self._new_interaction() if self.interaction_factory else None
             if interaction:
                 await self._interaction_call(interaction.start(task))
             traj.messages = task.messages(s.system_prompt)
@@ -135,28 +135,41 @@ class EpisodeRunner:
             else:  # the loop ran out of turns (every other way out of it breaks)
                 traj.finish = "max_turns"
         finally:
-            failing = sys.exc_info()[1] is not None  # then the episode's own failure is the one reported
-            tool_final = await env.finish()
-            # Kept for a failed episode too: the turns and tool calls it made did happen.
-            traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks),
-                                interaction_invalid_scores=float(scores.count(None)))
-            if interaction:
-                try:
-                    await self._interaction_call(interaction.finish())
-                except Exception:
-                    if not failing:
-                        raise
+            try:
+                tool_final = await env.finish()
+            finally:  # the interaction is finished even when a second cancellation lands in the tools' release
+                # Kept for a failed episode too: the turns and tool calls it made did happen.
+                traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks))
+                if self.interaction_factory:
+                    traj.metrics["interaction_invalid_scores"] = float(scores.count(None))
+                failing = sys.exc_info()[1] is not None  # then the episode's own failure is the one reported
+                if interaction:
+                    try:
+                        await self._interaction_call(interaction.finish())
+                    except Exception:
+                        if not failing:
+                            raise
         self._reward(task, traj, env.step_rewards, tool_final, [x for x in scores if x is not None])
+
+    def _new_interaction(self) -> Interaction:
+        """This episode's instance; a constructor that fails (or calls sys.exit()) fails the episode."""
+        try:
+            return self.interaction_factory()
+        except (Exception, SystemExit) as e:
+            raise InteractionError(f"the interaction's constructor raised {failure_text(e)}") from e
 
     async def _interaction_call(self, coro: Coroutine[Any, Any, T]) -> T:
         """One call into the interaction through `call_plugin`: a `sys.exit()` in it, or a judge that
-        never answers (a hung HTTP call), fails this episode, not the run."""
+        never answers (a hung HTTP call), fails this episode, not the run; what it raises is named
+        as the interaction's, apart from a reward function's or a tool's failure."""
         method = getattr(coro, "__qualname__", "call").rsplit(".", 1)[-1]
         try:
             return await call_plugin(coro, self.settings.interaction_timeout_s, f"the interaction's {method}")
-        except asyncio.TimeoutError:
+        except CallTimeout:
             raise TimeoutError(f"the interaction's {method} did not answer within "
                                f"{self.settings.interaction_timeout_s:g} s (rollout.interaction_timeout_s)") from None
+        except Exception as e:
+            raise InteractionError(f"the interaction's {method} raised {failure_text(e)}") from e
 
     async def _answer(self, env: ToolEnv, interaction: Interaction | None, parsed: ParsedTurn,
                       messages: list[dict[str, Any]], scores: list[float | None]) -> list[dict[str, Any]] | None:
@@ -170,11 +183,18 @@ class EpisodeRunner:
         # A copy, as tools get: a judge that appends its own prompt or edits a turn must not change
         # what the episode recorded (and will train on).
         reply = await self._interaction_call(interaction.respond(copy.deepcopy(messages)))
-        scores.append(finite_number(reply.score, REWARD_LIMIT))
+        if not isinstance(reply, Turn):
+            raise InteractionError(f"the interaction's respond returned {one_line(repr(reply))}, not a "
+                                   "Turn(text, done, score) (agentrl.env.interaction.Turn; verl's (done, text, "
+                                   "score, metadata) tuple is not one)")
+        if not isinstance(reply.done, bool):  # "false" would end the episode
+            raise InteractionError(f"the interaction's respond returned done={reply.done!r}, not True or False")
+        if reply.score is not None:  # None: this reply is not scored
+            scores.append(finite_number(reply.score, REWARD_LIMIT))
         if reply.done:
             return None
         if not isinstance(reply.text, str):  # None would be shown to the model as an empty user turn
-            raise TypeError(f"the interaction's respond returned text {reply.text!r}, not a string")
+            raise InteractionError(f"the interaction's respond returned text {reply.text!r}, not a string")
         return [{"role": "user", "content": reply.text}]
 
     def _reward(self, task: Task, traj: Trajectory, step_rewards: list[float], tool_final: float,
@@ -186,7 +206,9 @@ class EpisodeRunner:
                                     + (tool_final if s.tool_final_rewards else 0.0)
                                     + (sum(scores) if s.interaction_scores else 0.0))
         traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(step_rewards),
-                             "tool_final_reward": tool_final, "interaction_score": sum(scores)})
+                             "tool_final_reward": tool_final})
+        if self.interaction_factory:
+            traj.metrics["interaction_score"] = sum(scores)
 
 
 def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[str, Any]]) -> float:

@@ -94,7 +94,10 @@ def load_user_parts(config: RecipeConfig) -> tuple[list, Callable[[], Any] | Non
     """The user's tool files, interaction and reward function, each checked: (tools, interaction
     factory, reward function)."""
     tools = load_tool_files(config.rollout.tool_configs)
-    interaction = load_interaction(config.rollout.interaction_config) if config.rollout.interaction_config else None
+    interaction_file = config.rollout.interaction_config
+    if interaction_file and not Path(interaction_file).is_file():
+        raise ConfigError(f"rollout.interaction_config: {interaction_file}: file not found")
+    interaction = load_interaction(interaction_file) if interaction_file else None
     return tools, interaction, load_reward_fn(config.reward.function)
 
 

@@ -57,7 +57,7 @@ from agentrl.serve.sessions import Session, to_trajectory
 from agentrl.tools.base import Tool
 from agentrl.tools.loader import close_tools, resolve_reference
 from agentrl.tools.parsers import ParsedTurn
-from agentrl.tools.threads import call_plugin, failure_text
+from agentrl.tools.threads import CallTimeout, call_plugin, failure_text
 from agentrl.types import Task, ToolCall, Trajectory
 
 AgentFn = Callable[["AgentContext", Task], Awaitable[object]]
@@ -204,7 +204,7 @@ class AgentRunner:
             # call_plugin: a sys.exit() in it fails this episode, not the run; so does a hang
             await call_plugin(self.agent(ctx, task), s.agent_timeout_s, f"the agent function "
                               f"'{getattr(self.agent, '__qualname__', self.agent)}'")
-        except asyncio.TimeoutError:
+        except CallTimeout:
             failure = TimeoutError(f"the agent function did not finish within {s.agent_timeout_s:g} s "
                                    "(rollout.agent_timeout_s)")
         except Exception as e:  # a refusal at a limit ends the episode; anything else fails it (below)

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
-from agentrl.tools.threads import abandoned_calls, call_plugin, failure_text
+from agentrl.tools.threads import CallTimeout, abandoned_calls, call_plugin, failure_text
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class ToolHost:
             started, limit = time.perf_counter(), self.settings.call_timeout_s
             try:  # call_plugin: a tool's sys.exit() fails its call, not the server
                 value, error = await call_plugin(start(), limit, f"the tool '{name}' ({op})"), None
-            except asyncio.TimeoutError:
+            except CallTimeout:
                 value, error = None, f"TimeoutError: {name} did not finish within {limit:g} s"
             except Exception as e:
                 value, error = None, as_text(failure_text(e))  # JSON cannot carry lone surrogates

@@ -170,6 +170,11 @@ _stranded: list[asyncio.Task] = []
 _holder: threading.Thread | None = None
 
 
+class CallTimeout(TimeoutError):
+    """call_plugin's own timeout: the call ran past its limit. A TimeoutError the plug-in raises
+    itself (its HTTP client's, say) is an ordinary failure of the call and keeps its message."""
+
+
 class PluginError(Exception):
     """What a plug-in raised outside `Exception` (`SystemExit`, its own `CancelledError`), as an
     ordinary failure of the one call."""
@@ -190,7 +195,7 @@ def failure_text(error: BaseException) -> str:
 
 
 async def call_plugin(coro: Coroutine[Any, Any, T], timeout_s: float | None, name: str | None = None) -> T:
-    """Await a plug-in's coroutine for at most `timeout_s`: TimeoutError when it runs over, even if
+    """Await a plug-in's coroutine for at most `timeout_s`: CallTimeout when it runs over, even if
     it ignores its cancellation (it gets GRACE_S to end, then is abandoned); PluginError for what
     it raises outside `Exception`. Cancelling the caller cancels the call (with the same grace).
     `name` (default: the coroutine's qualified name) is what a warning about blocking says."""
@@ -205,7 +210,7 @@ async def call_plugin(coro: Coroutine[Any, Any, T], timeout_s: float | None, nam
         raise
     if not done:
         await _stop(task)
-        raise asyncio.TimeoutError
+        raise CallTimeout
     if task.cancelled():  # the plug-in raised CancelledError itself: nobody cancelled it
         raise PluginError(asyncio.CancelledError())
     return task.result()
