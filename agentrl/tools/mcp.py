@@ -142,8 +142,7 @@ class MCPTools:
                 raise
             raise MCPToolError(f"the MCP server {self.label} closed the connection: it exited or dropped the session, "
                                "and it is not restarted") from None
-        parts = [block.text if getattr(block, "type", None) == "text" else f"[{block.type} content omitted]"
-                 for block in result.content]
+        parts = [_block_text(block) for block in result.content]
         if not parts and result.structured_content is not None:
             parts.append(json.dumps(result.structured_content, ensure_ascii=False))
         text = "\n".join(parts)
@@ -172,13 +171,30 @@ class MCPTool:
         return None
 
 
+def _block_text(block: Any) -> str:
+    """One content block of a result as the model reads it: text as is, an embedded text resource
+    as its text, a resource link or binary resource by its URI, anything else (an image) named."""
+    kind = getattr(block, "type", None)
+    if kind == "text":
+        return block.text
+    if kind == "resource":
+        resource = block.resource
+        text = getattr(resource, "text", None)
+        return text if isinstance(text, str) else f"[binary resource {resource.uri} omitted]"
+    if kind == "resource_link":
+        return f"[resource {block.uri}]"
+    return f"[{kind} content omitted]"
+
+
 def _stdio(command: list[str] | str | None, env: dict[str, str] | None, cwd: str | None) -> Any:
     from mcp import StdioServerParameters
 
     argv = shlex.split(command) if isinstance(command, str) else list(command or [])
     if not argv:
         raise ValueError("'command' is empty")
-    return StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=cwd)
+    # "replace": the SDK's strict decoding drops everything a server prints after one byte that is
+    # not UTF-8 (a library's stray print), and every later call hangs until its timeout.
+    return StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=cwd, encoding_error_handler="replace")
 
 
 def _without_titles(schema: Any) -> Any:

@@ -138,7 +138,8 @@ def _command(isolation: str, python: str, workdir: Path, limits: Limits, status_
     size = str(limits.disk_mb * 1024 * 1024)
     private = [arg for path in ("/run", "/tmp", "/dev/shm", str(workdir)) for arg in ("--size", size, "--tmpfs", path)]
     return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *private,
+            # /dev read-only: bwrap's /dev is a tmpfs the size of half the host's memory, not disk_mb
+            "--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc", *private,
             "--ro-bind", program, program, "--chdir", str(workdir), *launch]
 
 
