@@ -30,6 +30,7 @@ This module does not sample or record; it only translates.
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from typing import Any, Iterator, Literal
@@ -125,7 +126,8 @@ class ResponsesRequest(_Strict):
                 for j, part in enumerate(parts if isinstance(parts, list) else []):
                     part_type = part.get("type") if isinstance(part, dict) else None
                     if part_type not in TEXT_PARTS:
-                        raise ValueError(f"input.{i}.{field}.{j}.type: only text parts are supported, not {part_type!r}")
+                        raise ValueError(f"input.{i}.{field}.{j}.type: only text parts are supported, "
+                                         f"not {part_type!r}")
             try:
                 self._items.append(ITEMS[kind].model_validate(item))
             except ValidationError as e:
@@ -230,7 +232,7 @@ def response_events(response: dict[str, Any]) -> Iterator[str]:
     """A finished `response` as the server-sent events the Responses API streams: created and
     in progress, each output item added, its text or arguments (whole, one delta) and done, then
     `response.completed` (or `response.incomplete`) carrying the whole response."""
-    sequence = iter(range(1 << 62))
+    sequence = itertools.count()
 
     def event(kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": next(sequence), **fields}

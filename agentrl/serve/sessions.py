@@ -8,12 +8,13 @@ one:
   tool schemas are the segment's. Any kept segment may be continued, not only the latest: an agent
   that talks to the model in two conversations under one session (a planner and an executor, a
   sub-agent that summarises) alternates between them, and each goes on extending its own tokens.
-  Where several match, the longest record wins (then the latest). "Exactly" is checked after normalisation (protocol.chat_messages): each of
-  the client's own earlier messages as it sent it, and each assistant reply either as the endpoint
-  returned it (OpenAI form: the text outside the calls, calls with JSON-string arguments) or as
-  recorded (ChatRenderer.assistant_message). The messages after that prefix are appended as the
-  chat template's suffix (ChatRenderer.suffix_ids on the recorded messages, as the builtin loop
-  does), mask 0, and the sampled turn after them, mask 1 — token-in/token-out across requests;
+  Where several match, the longest record wins (then the latest). "Exactly" is checked after
+  normalisation (protocol.chat_messages): each of the client's own earlier messages as it sent it,
+  and each assistant reply either as the endpoint returned it (OpenAI form: the text outside the
+  calls, calls with JSON-string arguments) or as recorded (ChatRenderer.assistant_message). The
+  messages after that prefix are appended as the chat template's suffix (ChatRenderer.suffix_ids on
+  the recorded messages, as the builtin loop does), mask 0, and the sampled turn after them, mask 1
+  — token-in/token-out across requests;
 - anything else starts a new segment, rendered afresh from the request's messages: the client
   edited, dropped or reordered history, changed its tools, or branched from an earlier point.
   Each such request after the first counts as a history rewrite.
@@ -23,10 +24,9 @@ segment the mask-1 tokens are exactly the sampled ones. A session's trajectory (
 the segment its last turn extended (kept last in `segments`): concatenating segments would train
 later tokens on a context they were not sampled in (a flat causal sequence lets them attend to the
 earlier segment), so the other segments are left out and their sampled tokens counted in
-`dropped_generated_tokens`. A session keeps the
-records of its last `max_segments` segments only (a client that starts a new conversation on every
-request under one `user` would otherwise grow it without bound); older ones are forgotten, their
-counts kept.
+`dropped_generated_tokens`. A session keeps the records of its last `max_segments` segments only (a
+client that starts a new conversation on every request under one `user` would otherwise grow it
+without bound); older ones are forgotten, their counts kept.
 
 This module does not sample, parse calls or speak HTTP: service.py plans a turn here, samples it,
 and commits it here.
