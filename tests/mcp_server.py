@@ -5,6 +5,7 @@ Run as a stdio server: `python tests/mcp_server.py`; over Streamable HTTP on loo
 """
 
 from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
 
 server = MCPServer("agentrl-test")
@@ -29,6 +30,12 @@ def multiply(a: int, b: int) -> int:
 def calls_so_far() -> int:
     """How many multiplications this server process has done."""
     return len(calls)
+
+
+@server.tool()
+def authorization(ctx: Context) -> str:
+    """The Authorization header the request came with ("none" without one, or over stdio)."""
+    return (ctx.headers or {}).get("authorization", "none")
 
 
 @server.tool()

@@ -19,7 +19,7 @@ from agentrl.errors import ConfigError
 from agentrl.rollout.collect import collect
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.tools.loader import load_tools
-from agentrl.tools.mcp import MCPTool, MCPTools
+from agentrl.tools.mcp import MCPTool, MCPTools, MCPToolError
 from agentrl.tools.parsers import ParsedTurn, parse_hermes
 from agentrl.types import Completion, SamplingParams, Task, ToolCall
 from tests.conftest import ScriptedEngine
@@ -109,32 +109,107 @@ def test_allow_list_name_the_server_lacks_is_a_config_error(tmp_path):
         f"{path}: tool #1 (class 'agentrl.tools.mcp:MCPTools'): constructing agentrl.tools.mcp:MCPTools with config "
         f"{{'command': {[sys.executable, 'tests/mcp_server.py', marker]}, 'allow': ['multiply', 'rm_rf']}} failed: "
         f"allow-list names 'rm_rf', which the MCP server {command} does not offer "
-        "(it offers: calls_so_far, delete_everything, multiply)")
+        "(it offers: authorization, calls_so_far, delete_everything, multiply)")
     time.sleep(0.5)
     assert not server_running(marker)  # the connection opened to check was closed again
 
 
-def test_tools_from_an_mcp_server_over_http():
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def http_server(port: int) -> subprocess.Popen:
+    """tests/mcp_server.py over Streamable HTTP on 127.0.0.1:port, once it accepts connections."""
     server = subprocess.Popen([sys.executable, "tests/mcp_server.py", "--http", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return server
+        time.sleep(0.1)
+    server.kill()
+    raise RuntimeError(f"the MCP test server did not listen on port {port}")
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(10)
+
+
+def test_tools_from_an_mcp_server_over_http_with_headers_from_the_environment(monkeypatch):
+    port = free_port()
+    server = http_server(port)
+    monkeypatch.setenv("AGENTRL_TEST_MCP_TOKEN", "s3cret")
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
-        source = MCPTools(allow=["multiply"], url=f"http://127.0.0.1:{port}/mcp")
-        (multiply,) = source.tools()
+        source = MCPTools(allow=["multiply", "authorization"], url=f"http://127.0.0.1:{port}/mcp",
+                          headers={"Authorization": "Bearer ${AGENTRL_TEST_MCP_TOKEN}"})
+        multiply, authorization = source.tools()
         for _ in range(2):  # two event loops, one session
             assert asyncio.run(multiply.execute("e/multiply", {"a": 12, "b": 34})).text == "408"
+        assert asyncio.run(authorization.execute("e/auth", {})).text == "Bearer s3cret"
         source.close()
+        plain = MCPTools(allow=["authorization"], url=f"http://127.0.0.1:{port}/mcp")
+        assert asyncio.run(plain.tools()[0].execute("e/auth", {})).text == "none"  # no headers: none sent
+        plain.close()
     finally:
-        server.terminate()
-        server.wait(10)
+        stop(server)
+
+
+def test_an_unset_variable_or_a_secret_in_the_config_stops_loading_without_showing_the_secret(tmp_path, monkeypatch):
+    monkeypatch.delenv("AGENTRL_TEST_UNSET", raising=False)
+    path = tmp_path / "mcp.yaml"
+    config = {"url": "http://user:pw@127.0.0.1:9/mcp?key=abc", "allow": ["x"],
+              "headers": {"Authorization": "Bearer literal-secret", "X-Key": "${AGENTRL_TEST_UNSET}"}}
+    path.write_text(json.dumps({"tools": [{"class": "agentrl.tools.mcp:MCPTools", "config": config}]}))
+    with pytest.raises(ConfigError) as e:
+        load_tools(path)
+    assert str(e.value) == (
+        f"{path}: tool #1 (class 'agentrl.tools.mcp:MCPTools'): constructing agentrl.tools.mcp:MCPTools with config "
+        "{'url': 'http://user:pw@127.0.0.1:9/mcp?key=abc', 'allow': ['x'], 'headers': {'Authorization': '***', "
+        "'X-Key': '***'}} failed: headers.X-Key names the environment variable AGENTRL_TEST_UNSET, which is not set")
+    monkeypatch.setenv("AGENTRL_TEST_UNSET", "set")
+    with pytest.raises(ConfigError) as e:  # port 9 on loopback: nothing listens, the connection is refused
+        load_tools(path)
+    assert "literal-secret" not in str(e.value)
+    assert "failed: cannot reach the MCP server http://127.0.0.1:9/mcp: " in str(e.value)  # no password, no query
+    with pytest.raises(ValueError, match="'headers' go with an HTTP server"):
+        MCPTools(allow=["echo"], command=EXITING_SERVER, headers={"A": "b"})
+    with pytest.raises(ValueError, match="'env' sets a stdio server's environment"):
+        MCPTools(allow=["echo"], url="http://127.0.0.1:9/mcp", env={"A": "b"})
+
+
+def test_a_restarted_http_server_is_reconnected_and_a_down_one_is_retried_with_backoff(capfd):
+    port = free_port()
+    server = http_server(port)
+    source = MCPTools(allow=["multiply"], url=f"http://127.0.0.1:{port}/mcp", timeout_s=10)
+    (multiply,) = source.tools()
+    label = f"http://127.0.0.1:{port}/mcp"
+
+    def run() -> str:
+        try:
+            return asyncio.run(multiply.execute("e/multiply", {"a": 6, "b": 7})).text
+        except MCPToolError as e:
+            return f"MCPToolError: {e}"
+
+    try:
+        assert run() == "42"
+        stop(server)
+        gone = run()  # the call in flight, or the first attempt to reconnect, fails and names the server
+        assert gone.startswith(f"MCPToolError: the MCP server {label} ")
+        if "reconnecting failed" not in gone:  # the session's end was seen first: this call reconnects at once
+            gone = run()
+        assert "reconnecting failed (ConnectError" in gone and gone.endswith("the next attempt is in 1 s")
+        assert run().endswith("; the next attempt to reconnect is in 1 s")  # no attempt inside the backoff
+        server = http_server(port)
+        time.sleep(1.1)
+        assert run() == "42"
+        assert f"agentrl: warning: reconnected to the MCP server {label}" in capfd.readouterr().err
+    finally:
+        source.close()
+        stop(server)
 
 
 EXITING_SERVER = [sys.executable, "tests/fixtures/mcp_exiting_server.py"]
@@ -157,23 +232,48 @@ def test_a_property_called_title_stays_in_every_map_keyed_by_property_name():
         source.close()
 
 
-def test_every_call_after_the_server_exited_names_the_server():
-    source = MCPTools(allow=["echo", "exit_server"], command=EXITING_SERVER)
-
-    async def turn(name: str, **arguments) -> str:
+def exiting_server_turn(source: MCPTools, name: str, **arguments) -> str:
+    """One tool call through ToolEnv, as an episode makes it, under an event loop of its own."""
+    async def turn() -> str:
         env = ToolEnv(source.tools(), ToolLimits(timeout_s=10), lambda text: (text, False))
         await env.start("e", Task(id="t", prompt="Go."))
         messages = await env.run_turn(ParsedTurn(calls=[ToolCall(name, arguments)]))
         await env.finish()
         return messages[0]["content"]
 
+    return asyncio.run(turn())
+
+
+def test_a_stdio_server_that_exits_is_restarted_with_its_environment_by_the_next_call(monkeypatch, capfd):
+    monkeypatch.setenv("AGENTRL_TEST_MCP_VALUE", "from-the-run")
+    source = MCPTools(allow=["environment", "exit_server"], command=EXITING_SERVER,
+                      env={"PROBE": "${AGENTRL_TEST_MCP_VALUE}/x"})
     try:
-        assert asyncio.run(turn("echo", text="hi")) == "hi"
-        gone = (f"failed: MCPToolError: the MCP server {shlex.join(EXITING_SERVER)} closed the connection: "
-                "it exited or dropped the session, and it is not restarted")
-        assert asyncio.run(turn("exit_server")) == f"Error: exit_server {gone}"
+        value, first_pid = exiting_server_turn(source, "environment", variable="PROBE").split()
+        assert value == "from-the-run/x"
+        assert exiting_server_turn(source, "environment", variable="AGENTRL_TEST_MCP_VALUE").split()[0] == "unset"
+        assert exiting_server_turn(source, "exit_server") == (
+            f"Error: exit_server failed: MCPToolError: the MCP server {shlex.join(EXITING_SERVER)} closed the "
+            "connection: it exited or dropped the session; the next call reconnects")
+        value, second_pid = exiting_server_turn(source, "environment", variable="PROBE").split()
+        assert value == "from-the-run/x" and second_pid != first_pid  # a new process, with the same environment
+        assert (f"agentrl: warning: reconnected to the MCP server {shlex.join(EXITING_SERVER)} (it closed the "
+                "connection); a restarted server has lost any state it kept") in capfd.readouterr().err
+    finally:
+        source.close()
+
+
+def test_with_reconnect_off_every_call_after_the_server_exited_names_the_server():
+    source = MCPTools(allow=["echo", "exit_server"], command=EXITING_SERVER, reconnect=False)
+    try:
+        assert exiting_server_turn(source, "echo", text="hi") == "hi"
+        closed = (f"failed: MCPToolError: the MCP server {shlex.join(EXITING_SERVER)} closed the connection: "
+                  "it exited or dropped the session, and it is not restarted")
+        assert exiting_server_turn(source, "exit_server") == f"Error: exit_server {closed}"
         for _ in range(2):  # each later call, from a fresh event loop as in training
-            assert asyncio.run(turn("echo", text="hi")) == f"Error: echo {gone}"
+            assert exiting_server_turn(source, "echo", text="hi") == (
+                f"Error: echo failed: MCPToolError: the MCP server {shlex.join(EXITING_SERVER)} is not connected "
+                "(it closed the connection)")
     finally:
         source.close()
 

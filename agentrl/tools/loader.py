@@ -31,7 +31,10 @@ from agentrl.tools.threads import failure_text
 
 ENTRY_POINT_GROUP = "agentrl.tools"
 ENTRY_KEYS = {"class", "config", "schema"}
-_SECRET_RE = re.compile(r"token|secret|password|api_key", re.IGNORECASE)
+# Names of values an error message must not show; the values of `env` and `headers` (a server's
+# environment and request headers, where credentials travel under any name) are hidden whole.
+_SECRET_RE = re.compile(r"token|secret|passw|api_?key|authoriz|credential|cookie", re.IGNORECASE)
+_HIDDEN_MAPS = {"env", "headers"}
 
 
 def registered_tools() -> dict[str, str]:
@@ -183,9 +186,16 @@ def async_problem(instance: Any, methods: tuple[str, ...]) -> str | None:
     return None
 
 
-def masked(config: dict[str, Any]) -> dict[str, Any]:
-    """The config as an error message may show it: secrets (a server's token) replaced by '***'."""
-    return {k: "***" if _SECRET_RE.search(str(k)) and k != "token_env" else v for k, v in config.items()}
+def masked(config: dict[str, Any], hide_all: bool = False) -> dict[str, Any]:
+    """The config as an error message may show it: secrets (a server's token, the values of its
+    `env` and `headers`) replaced by '***', in nested mappings too."""
+    def shown(key: Any, value: Any) -> Any:
+        if isinstance(value, dict):
+            return masked(value, hide_all or key in _HIDDEN_MAPS)
+        secret = hide_all or (_SECRET_RE.search(str(key)) and key != "token_env")
+        return "***" if secret else value
+
+    return {key: shown(key, value) for key, value in config.items()}
 
 
 def _check_tool(instance: Any, ref: str) -> None:

@@ -2,13 +2,18 @@
 
     tools:
       - class: agentrl.tools.mcp:MCPTools
-        config: {command: [python, servers/search.py], allow: [search]}   # or url: http://host/mcp
+        config: {command: [python, servers/search.py], allow: [search], env: {API_KEY: "${SEARCH_KEY}"}}
+      - class: agentrl.tools.mcp:MCPTools
+        config: {url: "https://host/mcp", allow: [fetch], headers: {Authorization: "Bearer ${FETCH_TOKEN}"}}
 
 Only the tools named in `allow` reach the model; a name the server does not offer is a
 ConfigError when the file loads. Each allowed tool's MCP description and input schema become an
 OpenAI function schema (JSON-Schema `title` annotations dropped: they cost prompt tokens and say
 nothing the property names do not). A result's text blocks are joined; a result flagged as an
-error raises MCPToolError, which ToolEnv reports to the model.
+error raises MCPToolError, which ToolEnv reports to the model. `${NAME}` in a value of `env` (a
+stdio server's environment, merged over the SDK's minimal one) or `headers` (an HTTP server's
+request headers) is the environment variable NAME, so secrets stay out of the file; an unset one is
+an error naming it.
 
 Session lifetime: one MCP session per tool-file entry, for the whole run. The SDK's session is a
 set of anyio task groups bound to the event loop and the task that entered them, while the
@@ -17,7 +22,12 @@ stdio server (losing its state) every step and leave sessions to be closed from 
 already gone, so the session lives instead in one task on a BackgroundLoop thread, entered and
 exited there; episodes of every step submit calls to it concurrently (MCP multiplexes requests by
 id). `close()`, or the exit hook, ends that task, which closes the session and stops the server.
-A server that dies is not restarted: later calls fail with a message naming it.
+
+A session that ends (a stdio server that exits, an HTTP server that restarts or drops the
+connection) fails the calls in flight, and the next call opens a new one, with a warning: a run of
+hours should not lose a tool for good to one blip. Attempts that fail back off (1 s, doubling to
+60 s), and calls meanwhile fail at once, saying when the next attempt is due. A restarted stdio
+server has lost whatever state it kept. `reconnect: false` keeps a closed session closed.
 """
 
 from __future__ import annotations
@@ -25,8 +35,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import re
 import shlex
+import sys
+import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from agentrl.tools.background_loop import BackgroundLoop
 from agentrl.tools.base import Tool, ToolResult
@@ -36,6 +51,8 @@ from agentrl.tools.base import Tool, ToolResult
 _NAMED_SCHEMAS = {"properties", "patternProperties", "$defs", "definitions", "dependentRequired", "dependentSchemas",
                   "dependencies"}
 _DATA = {"default", "enum", "const", "examples"}  # values, not schemas: left as they are
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0
 
 
 class MCPToolError(RuntimeError):
@@ -46,19 +63,29 @@ class MCPTools:
     """An MCP server as one tool-file entry; `tools()` gives one Tool per allowed server tool."""
 
     def __init__(self, allow: list[str], command: list[str] | str | None = None, url: str | None = None,
-                 env: dict[str, str] | None = None, cwd: str | None = None, timeout_s: float = 30.0,
-                 connect_timeout_s: float = 30.0):
+                 env: dict[str, str] | None = None, headers: dict[str, str] | None = None, cwd: str | None = None,
+                 timeout_s: float = 30.0, connect_timeout_s: float = 30.0, reconnect: bool = True):
         if (command is None) == (url is None):
             raise ValueError("give exactly one of 'command' (a stdio server) and 'url' (Streamable HTTP)")
         if not isinstance(allow, list) or not allow or not all(isinstance(n, str) for n in allow):
             raise ValueError("'allow' must be a non-empty list of tool names")
-        self.label = url or (command if isinstance(command, str) else shlex.join(command))
-        self.timeout_s = timeout_s
-        self._server = url if url is not None else _stdio(command, env, cwd)
+        if url is not None and env is not None:
+            raise ValueError("'env' sets a stdio server's environment; an HTTP server ('url') takes 'headers'")
+        if command is not None and headers is not None:
+            raise ValueError("'headers' go with an HTTP server ('url'); a stdio server ('command') takes 'env'")
+        self.label = _url_label(url) if url is not None else command if isinstance(command, str) else shlex.join(command)
+        self.timeout_s, self.connect_timeout_s, self.reconnect = timeout_s, connect_timeout_s, reconnect
+        if url is not None:
+            self._server: Any = (url, _expanded(headers, "headers"))
+        else:
+            self._server = _stdio(command, _expanded(env, "env"), cwd)
         self._client: Any = None
+        self._holder: asyncio.Task[None] | None = None
         self._failure = "not connected yet"
+        self._backoff_s, self._next_attempt = FIRST_BACKOFF_S, 0.0
+        self._reconnecting = asyncio.Lock()  # binds to the background loop, where it is first awaited
         self._loop = BackgroundLoop("agentrl-mcp")
-        self._loop.on_close(self._disconnect)
+        self._loop.on_close(self._end_session)
         try:
             self._loop.run_sync(self._connect(), connect_timeout_s + 5)
             offered = self._loop.run_sync(self._list_tools(), connect_timeout_s)
@@ -83,37 +110,62 @@ class MCPTools:
         self._loop.close()
 
     async def _connect(self) -> None:
-        self._stop = asyncio.Event()
+        """Open a session in a task of its own (`_hold`) and wait until it is ready or has failed."""
+        stop = asyncio.Event()
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._holder = asyncio.create_task(self._hold(ready))
+        holder = asyncio.create_task(self._hold(ready, stop))
+        self._holder, self._stop = holder, stop
         try:
             await ready
         except BaseException:
-            self._holder.cancel()
+            holder.cancel()
             raise
 
-    async def _hold(self, ready: asyncio.Future[None]) -> None:
-        """Owns the session: enters it, waits for close, exits it, all in this one task."""
+    async def _hold(self, ready: asyncio.Future[None], stop: asyncio.Event) -> None:
+        """Owns one session: enters it, waits for its stop, exits it, all in this one task."""
+        from contextlib import AsyncExitStack
+
         from mcp import Client
 
+        client = None
         try:
-            async with Client(self._server, read_timeout_seconds=self.timeout_s) as client:
+            async with AsyncExitStack() as stack:
+                client = await stack.enter_async_context(
+                    Client(await self._transport(stack), read_timeout_seconds=self.timeout_s))
                 self._client = client
                 ready.set_result(None)
-                await self._stop.wait()
+                await stop.wait()
         except Exception as e:
-            self._failure = _describe(e)
+            if client is None or self._client is client:
+                self._failure = _describe(e)
             if not ready.done():
                 ready.set_exception(e)
         finally:
-            self._client = None
-            if self._failure == "not connected yet":
-                self._failure = "closed"
+            if client is not None and self._client is client:  # a newer session is not this one's to clear
+                self._client = None
+                if not stop.is_set() and self._failure == "not connected yet":
+                    self._failure = "the session ended"
 
-    async def _disconnect(self) -> None:
-        if getattr(self, "_holder", None) is not None:
+    async def _transport(self, stack: Any) -> Any:
+        """What `Client` connects to: the stdio parameters, the URL, or (with headers) an HTTP
+        transport on a client that sends them."""
+        if not isinstance(self._server, tuple):
+            return self._server
+        url, headers = self._server
+        if not headers:
+            return url
+        import httpx2  # the mcp SDK's HTTP client
+        from mcp.client.streamable_http import streamable_http_client
+
+        http = await stack.enter_async_context(httpx2.AsyncClient(
+            headers=headers, timeout=httpx2.Timeout(self.connect_timeout_s, read=max(300.0, self.timeout_s))))
+        return streamable_http_client(url, http_client=http)
+
+    async def _end_session(self) -> None:
+        holder = self._holder
+        if holder is not None:
             self._stop.set()
-            await asyncio.wait({self._holder}, timeout=10)
+            await asyncio.wait({holder}, timeout=10)
 
     async def _list_tools(self) -> dict[str, dict[str, Any]]:
         schemas, cursor = {}, None
@@ -129,19 +181,24 @@ class MCPTools:
         return schemas
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> str:
-        client = self._client
-        if client is None:
-            raise MCPToolError(f"the MCP server {self.label} is not connected ({self._failure})")
         from mcp import MCPError
         from mcp.types import CONNECTION_CLOSED
 
+        client = self._client
+        if client is None:
+            client = await self._reconnected()
         try:
             result = await client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s)
         except MCPError as e:  # the server exited (or dropped the session): say which one
             if e.code != CONNECTION_CLOSED:
                 raise
-            raise MCPToolError(f"the MCP server {self.label} closed the connection: it exited or dropped the session, "
-                               "and it is not restarted") from None
+            if self._client is client:  # the first call to see it ends the session; the next reconnects
+                self._client, self._failure = None, "it closed the connection"
+                await self._end_session()
+            raise MCPToolError(f"the MCP server {self.label} closed the connection: it exited or dropped the session"
+                               + ("; the next call reconnects" if self.reconnect else ", and it is not restarted")
+                               ) from None
+        self._backoff_s = FIRST_BACKOFF_S  # a call went through: the next failure retries at once
         parts = [_block_text(block) for block in result.content]
         if not parts and result.structured_content is not None:
             parts.append(json.dumps(result.structured_content, ensure_ascii=False))
@@ -149,6 +206,33 @@ class MCPTools:
         if result.is_error:
             raise MCPToolError(text or f"{name} reported an error")
         return text
+
+    async def _reconnected(self) -> Any:
+        """A new session for a call that found none, or MCPToolError saying why there is none."""
+        if not self.reconnect:
+            raise MCPToolError(f"the MCP server {self.label} is not connected ({self._failure})")
+        async with self._reconnecting:  # concurrent calls wait for one attempt
+            if self._client is not None:
+                return self._client
+            wait_s = self._next_attempt - time.monotonic()
+            if wait_s > 0:
+                raise MCPToolError(f"the MCP server {self.label} is not connected ({self._failure}); "
+                                   f"the next attempt to reconnect is in {wait_s:.0f} s")
+            cause = self._failure
+            await self._end_session()
+            try:
+                await asyncio.wait_for(self._connect(), self.connect_timeout_s + 5)
+            except Exception as e:
+                self._failure = _describe(e) if not isinstance(e, asyncio.TimeoutError) else (
+                    f"no session within {self.connect_timeout_s:g} s")
+                self._next_attempt = time.monotonic() + self._backoff_s
+                self._backoff_s = min(2 * self._backoff_s, MAX_BACKOFF_S)
+                raise MCPToolError(f"the MCP server {self.label} is not connected ({cause}), and reconnecting failed "
+                                   f"({self._failure}); the next attempt is in {self._next_attempt - time.monotonic():.0f} s"
+                                   ) from None
+            print(f"agentrl: warning: reconnected to the MCP server {self.label} ({cause}); a restarted server has "
+                  "lost any state it kept", file=sys.stderr)
+            return self._client
 
 
 class MCPTool:
@@ -184,6 +268,29 @@ def _block_text(block: Any) -> str:
     if kind == "resource_link":
         return f"[resource {block.uri}]"
     return f"[{kind} content omitted]"
+
+
+def _expanded(values: dict[str, str] | None, key: str) -> dict[str, str] | None:
+    """`env` or `headers` with each `${NAME}` replaced by the environment variable NAME."""
+    if values is None:
+        return None
+    if not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values()):
+        raise ValueError(f"'{key}' must map names to strings")
+
+    def value_of(match: re.Match[str], name: str) -> str:
+        variable = match.group(1)
+        if variable not in os.environ:
+            raise ValueError(f"{key}.{name} names the environment variable {variable}, which is not set")
+        return os.environ[variable]
+
+    return {name: _VARIABLE.sub(lambda m, name=name: value_of(m, name), value) for name, value in values.items()}
+
+
+def _url_label(url: str) -> str:
+    """The URL as messages show it: without a password or query string, where tokens travel."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def _stdio(command: list[str] | str | None, env: dict[str, str] | None, cwd: str | None) -> Any:
