@@ -96,6 +96,25 @@ def test_gsm8k_reward_uses_last_number_of_final_message():
     assert gsm8k_reward(Task(id="x", prompt="p"), [{"role": "assistant", "content": "1"}]) == 0.0
 
 
+def test_an_episode_that_ends_while_calling_tools_has_no_final_answer(tokenizer):
+    """The calculator's argument ends with the right number; the episode never answered."""
+    from agentrl.tools.builtin.calculator import calculator
+
+    task = Task(id="m", prompt="What is 5678?", answer="#### 5678")
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}\n</tool_call>'
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "5678"\n</tool_call>'
+    for turns, max_turns, finish, reward in [([call], 1, "max_turns", 0.0), ([broken], 1, "max_turns", 0.0),
+                                             ([call, "It is 5678."], 2, "stop", 1.0)]:
+        runner = EpisodeRunner(ScriptedEngine(tokenizer, turns), tokenizer, [calculator], parse_hermes,
+                               EpisodeSettings(max_turns=max_turns), reward_fn=gsm8k_reward)
+        traj = asyncio.run(runner.run(task, group_id="g"))
+        assert (traj.finish, traj.reward) == (finish, reward), turns
+    called = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "calculator", "arguments": '{"expression": "72"}'}}]}
+    assert gsm8k_reward(TASK, [called]) == 0.0  # OpenAI-style calls (an agent's record), no tool reply yet
+    assert gsm8k_reward(TASK, [{"role": "assistant", "content": [{"type": "text", "text": "72"}]}]) == 0.0
+
+
 def test_interaction_yaml(tmp_path):
     factory = load_interaction("tool_configs/gsm8k_interaction.yaml")
     assert factory().max_attempts == 2 and factory() is not factory()

@@ -14,8 +14,20 @@ RewardFn = Callable[[Task, list[dict[str, Any]]], float]
 
 
 def final_answer_text(messages: list[dict[str, Any]]) -> str:
-    last = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
-    return (last or {}).get("content") or ""
+    """The text of the last assistant message, or "" when that message called tools (its calls,
+    well-formed or answered by a tool message as malformed, are not an answer): an episode that
+    ran out of turns or context while calling tools gave none, and must not score on the numbers
+    in its calls' arguments."""
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i]
+        if message.get("role") != "assistant":
+            continue
+        answered_by_tool = i + 1 < len(messages) and messages[i + 1].get("role") == "tool"
+        if message.get("tool_calls") or answered_by_tool:
+            return ""
+        content = message.get("content")
+        return content if isinstance(content, str) else ""
+    return ""
 
 
 def gsm8k_reward(task: Task, messages: list[dict[str, Any]]) -> float:
