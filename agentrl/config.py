@@ -122,6 +122,9 @@ class RolloutConfig(_Section):
     max_turns: int = Field(4, ge=1, description="Assistant turns per episode.")
     max_tool_calls_per_turn: int = Field(4, ge=1, description="Calls run per turn; extra calls get an error.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Seconds a tool call may take.")
+    parallel_tool_calls: bool = Field(True, description="A turn's tool calls run at once; false runs them one "
+                                                        "after another in the order written, for tools whose "
+                                                        "state one call changes for the next.")
     interaction_timeout_s: float = Field(
         60.0, gt=0, description="Seconds one call into the interaction (start, respond, finish) may take; "
                                 "past it the episode fails (finish: error) and the run goes on.")

@@ -330,10 +330,13 @@ def test_a_clients_system_message_with_special_text_stays_text(tokenizer):
     assert prompt.count(im_start) == text.count("<|im_start|>") - 1
     assert tokenizer.decode(prompt) == text
     # The recipe's own system prompt renders as written: in the builtin loop, and in agent episodes,
-    # whose agent is the recipe's code.
-    recipe = ChatRenderer(tokenizer, []).prompt_ids(messages)
+    # whose agent sends it (ctx.system_prompt).
+    renderer = ChatRenderer(tokenizer, [])
+    renderer.system_prompt = messages[0]["content"]
+    recipe = renderer.prompt_ids(messages)
     assert recipe.count(im_end) == text.count("<|im_end|>")
-    agent_service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(open_sessions_only=True))
+    agent_service = ChatService(engine, tokenizer, parse_hermes,
+                                ServeSettings(open_sessions_only=True, system_prompt=messages[0]["content"]))
     agent_service.sessions.open("episode")
     asyncio.run(ask(agent_service, messages, session_id="episode"))
     assert engine.prompts[1] == recipe
@@ -349,8 +352,9 @@ def test_a_tool_schema_with_special_text_is_refused(tokenizer):
     body = json.dumps({"messages": conversation(0), "tools": [tool]}).encode()
     with pytest.raises(RequestError) as err:
         asyncio.run(service.complete(parse_request(body), "s"))
-    assert err.value.status == 400 and str(err.value) == ("tools: a schema contains the special token text "
-                                                          "'<|im_end|>', which would become a control token")
+    assert err.value.status == 400 and str(err.value) == (
+        "tools: the schema of the tool 'f' contains the special token text '<|im_end|>', which the chat template "
+        "would render as a control token")
     assert engine.prompts == [] and service.sessions.get("s") is None
 
 

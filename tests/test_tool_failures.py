@@ -43,13 +43,14 @@ async def sleepy(seconds: float) -> str:
 
 
 @tool
-def flood(size: int) -> str:
+def flood(size: int, text: str = "x") -> str:
     """Returns a lot of text.
 
     Args:
-        size: Characters.
+        size: Repetitions.
+        text: What is repeated.
     """
-    return "x" * size
+    return text * size
 
 
 def call(name: str, **arguments) -> str:
@@ -101,6 +102,26 @@ def test_output_of_long_tokens_is_cut_at_the_budget_not_before(tokenizer):
     assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 10
     assert renderer.truncate(text, 4) == ("#" * 256 + "\n[output truncated to 4 tokens]", True)
     assert renderer.truncate(text, 10) == (text, False)
+
+
+def test_special_token_text_counts_against_the_budget_as_the_tokens_it_is_kept_as(tokenizer):
+    """`<|im_end|>` in a tool's output stays text, 7 tokens of it, not the 1 control token a
+    plain encode() counts: the cut must count the same way, or the output runs 7x over budget."""
+    from agentrl.rollout.chat import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, [])
+    as_text = tokenizer("<|im_end|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert len(as_text) == 7
+    text, cut = renderer.truncate("<|im_end|>" * 1000, 50)
+    body = text.removesuffix("\n[output truncated to 50 tokens]")
+    assert cut and body != text and ("<|im_end|>" * 1000).startswith(body)
+    kept_as = len(tokenizer(body, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    assert 40 < kept_as <= 50  # (a plain count kept 50 whole <|im_end|>: about 300 tokens of text)
+    traj, tools = run(tokenizer, call("flood", size=3, text="<|im_end|>"))
+    assert tools[0]["content"] == "<|im_end|>" * 3  # within the budget: whole, and kept as text
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rendered_ends = [i for i, m in zip(traj.token_ids, traj.loss_mask) if i == end and not m]
+    assert len(rendered_ends) == 3  # the system, user and tool turns' own: none from the output
 
 
 def test_broken_json_in_tool_call(tokenizer):

@@ -299,3 +299,51 @@ def test_a_healthy_sync_tool_is_not_timed_out_by_its_own_queue():
 
     contents, timeouts = asyncio.run(go())
     assert timeouts == 0 and contents == [f"k{i}" for i in range(32)]
+
+
+class Store:
+    """A stateful tool whose `set` awaits I/O before it stores: the log shows how calls overlapped."""
+
+    schema = {"type": "function", "function": {"name": "store", "description": "Set or get a value.", "parameters": {
+        "type": "object", "properties": {"op": {"type": "string"}, "value": {"type": "string"}},
+        "required": ["op"]}}}
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+        self.log: list[str] = []
+
+    async def create(self, instance_id: str, **kwargs) -> str:
+        return instance_id
+
+    async def execute(self, instance_id: str, arguments: dict) -> str:
+        self.log.append(f"{arguments['op']} starts")
+        if arguments["op"] == "set":
+            await asyncio.sleep(0.05)
+            self.values[instance_id] = arguments["value"]
+            self.log.append("set ends")
+            return "ok"
+        return self.values.get(instance_id, "unset")
+
+    async def reward(self, instance_id: str) -> float | None:
+        return None
+
+    async def release(self, instance_id: str) -> None:
+        return None
+
+
+@pytest.mark.parametrize("parallel, results, log", [
+    (True, ["ok", "unset"], ["set starts", "get starts", "set ends"]),
+    (False, ["ok", "42"], ["set starts", "set ends", "get starts"]),
+])
+def test_a_turns_calls_run_at_once_or_in_the_order_written(parallel, results, log):
+    store = Store()
+
+    async def go():
+        env = ToolEnv([store], ToolLimits(timeout_s=5, parallel_calls=parallel), lambda text: (text, False))
+        await env.start("e", TASK)
+        messages = await env.run_turn(ParsedTurn(calls=[ToolCall("store", {"op": "set", "value": "42"}),
+                                                        ToolCall("store", {"op": "get"})]))
+        await env.finish()
+        return messages
+
+    assert [m["content"] for m in asyncio.run(go())] == results and store.log == log

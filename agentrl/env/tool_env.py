@@ -31,6 +31,7 @@ from agentrl.types import Task, ToolCall
 class ToolLimits:
     timeout_s: float = 10.0
     max_calls_per_turn: int = 4
+    parallel_calls: bool = True  # a turn's calls run at once; False: one after another, in the order written
 
 
 class ToolEnv:
@@ -74,7 +75,12 @@ class ToolEnv:
         # return_exceptions: gather then returns only when every call has ended, so nothing after
         # it (the next turn, release) overlaps a call still running. Cancelling this turn cancels
         # the calls and still waits for them.
-        results = await asyncio.gather(*(self._run_call(c) for c in allowed), return_exceptions=True)
+        if self.limits.parallel_calls:
+            results = await asyncio.gather(*(self._run_call(c) for c in allowed), return_exceptions=True)
+        else:  # a stateful tool's second call sees what the first did ("write the file", then "run it")
+            results = []
+            for c in allowed:
+                results += await asyncio.gather(self._run_call(c), return_exceptions=True)
         messages = [{"role": "tool", "name": c.name, "content": self._unexpected(c, r)
                      if isinstance(r, BaseException) else r} for c, r in zip(allowed, results)]
         for call in parsed.calls[self.limits.max_calls_per_turn:]:

@@ -53,9 +53,12 @@ class ChatRenderer:
         turn_end = template_turn_end(tokenizer)  # probed once: the stop ids and the fallback's turn end
         self.stop_ids = _stop_ids(tokenizer, turn_end)
         self.turn_end_id = tokenizer.eos_token_id if turn_end is None else turn_end
-        # System messages are the recipe's, rendered as written; a client of `agentrl serve` writes
-        # its own, which are kept as text like every other message's (the endpoint sets this).
-        self.literal_system = False
+        # The recipe's system prompt is the one message rendered as written; any other system
+        # message (a task file's, a client's) is data, kept as text like every other message's.
+        self.system_prompt: str | None = None
+        problem = schema_special_text(self.schemas, self.special_texts)
+        if problem:
+            raise SpecialTextError(problem)
 
     def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
@@ -63,6 +66,10 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of a message's own text, special token text included, as plain text."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -74,8 +81,8 @@ class ChatRenderer:
         `<|im_end|>` would otherwise end its turn and open a turn the policy never wrote. Such a
         content is encoded as plain text (what OpenAI's API does with user text); everything else,
         as the whole rendering, so ids stay those of `encode(text)` whenever no content holds a
-        special token's text. System messages are the recipe's and are rendered as written, unless
-        `literal_system` says a client wrote them.
+        special token's text. Only the recipe's system prompt (`system_prompt`) is rendered as
+        written; a system message from a task file or a client is data like the rest.
 
         Where each such content sits is found by rendering again (`remake` makes `text` from other
         messages) with a marker in its place, never by searching for the content, which could match
@@ -88,8 +95,8 @@ class ChatRenderer:
             if found:
                 raise SpecialTextError(f"a tool call's arguments contain the special token text {found!r}, which "
                                        "would become a control token")
-        special = {id(m) for m in messages if (self.literal_system or m.get("role") != "system")
-                   and isinstance(m.get("content"), str)
+        special = {id(m) for m in messages if isinstance(m.get("content"), str)
+                   and not (m.get("role") == "system" and m["content"] == self.system_prompt)
                    and any(t in m["content"] for t in self.special_texts)}
         if not special:
             return self.encode(text)
@@ -111,8 +118,7 @@ class ChatRenderer:
                                 "it verbatim, so it cannot be kept as text")
         ids: list[int] = []
         for i, piece in enumerate(pieces):
-            ids += (self.tokenizer(literals[i // 2], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-                    if i % 2 else self.encode(piece))
+            ids += self.encode_text(literals[i // 2]) if i % 2 else self.encode(piece)
         return ids
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -203,10 +209,12 @@ class ChatRenderer:
         # Only a head of the text is tokenised, so a huge tool output costs little: 16 characters a
         # token, more while the head holds no more than max_tokens tokens (runs like '#' * 80 are
         # one token) and the text goes on.
+        # Counted as the text will be encoded (encode_rendered): a special token's text, kept as
+        # text, is several tokens, not the one control token a plain encode() would count.
         size = max_tokens * 16
         while True:
             head = text[:size]
-            ids = self.encode(head)
+            ids = self.encode_text(head)
             if len(ids) > max_tokens or len(head) == len(text):
                 break
             size *= 2
@@ -214,6 +222,20 @@ class ChatRenderer:
             return text, False
         kept = self.decode(ids[:max_tokens])
         return f"{kept}\n[output truncated to {max_tokens} tokens]", True
+
+
+def schema_special_text(schemas: list[dict[str, Any]] | None, special_texts: list[str]) -> str | None:
+    """What is wrong with tool schemas that spell a special token's text, or None. Schemas render
+    inside the template's own markup, where that text would become a control token: a description
+    fetched from an MCP or tool server could end the system turn and open one of its own."""
+    for schema in schemas or []:
+        text = json.dumps(schema, ensure_ascii=False)
+        found = next((t for t in special_texts if t in text), None)
+        if found:
+            name = (schema.get("function") or {}).get("name") if isinstance(schema, dict) else None
+            return (f"the schema of the tool {name!r} contains the special token text {found!r}, which the chat "
+                    "template would render as a control token")
+    return None
 
 
 def normalize_tool_calls(message: dict[str, Any]) -> dict[str, Any]:

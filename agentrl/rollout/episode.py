@@ -62,6 +62,7 @@ class EpisodeRunner:
                  reward_fn: RewardFn | None = None):
         self.engine = engine
         self.renderer = ChatRenderer(tokenizer, tools)
+        self.renderer.system_prompt = settings.system_prompt  # rendered as written; a task's own is text
         self.tools = tools
         self.parser = parser
         self.settings = settings

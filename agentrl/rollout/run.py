@@ -23,7 +23,7 @@ from agentrl.env.interaction import load_interaction
 from agentrl.env.rewards import load_reward_fn
 from agentrl.env.tool_env import ToolLimits
 from agentrl.models import load_model, load_tokenizer
-from agentrl.rollout.chat import stop_token_ids
+from agentrl.rollout.chat import ChatRenderer, SpecialTextError, stop_token_ids
 from agentrl.rollout.collect import check_failures, run_streamed, summarize
 from agentrl.rollout.engine import Engine
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
@@ -64,7 +64,8 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
         max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
         max_new_tokens_per_turn=r.max_new_tokens_per_turn, max_tool_output_tokens=r.max_tool_output_tokens,
         temperature=r.temperature, top_p=r.top_p, system_prompt=r.system_prompt,
-        tool_limits=ToolLimits(timeout_s=r.tool_timeout_s, max_calls_per_turn=r.max_tool_calls_per_turn),
+        tool_limits=ToolLimits(timeout_s=r.tool_timeout_s, max_calls_per_turn=r.max_tool_calls_per_turn,
+                               parallel_calls=r.parallel_tool_calls),
         interaction_timeout_s=r.interaction_timeout_s, agent_timeout_s=r.agent_timeout_s,
         tool_step_rewards=config.reward.tool_step_rewards, tool_final_rewards=config.reward.tool_final_rewards,
         interaction_scores=config.reward.interaction_scores)
@@ -108,8 +109,10 @@ def load_driver_parts(config: RecipeConfig) -> tuple[list[Task], Any]:
     close_tools(tools)  # checked only: the rollout workers open their own
     tasks = load_tasks(config)
     warn_unknown_tool_kwargs(tasks, tools)
-    return tasks, load_tokenizer(config.model.path, config.model.chat_template,
-                                 needs_tools=bool(tools) or config.rollout.agent is not None)
+    tokenizer = load_tokenizer(config.model.path, config.model.chat_template,
+                               needs_tools=bool(tools) or config.rollout.agent is not None)
+    check_tool_schemas(tokenizer, tools)
+    return tasks, tokenizer
 
 
 def warn_unknown_tool_kwargs(tasks: list[Task], tools: list) -> None:
@@ -126,11 +129,21 @@ def warn_unknown_tool_kwargs(tasks: list[Task], tools: list) -> None:
                   "create() arguments go nowhere", file=sys.stderr)
 
 
-def load_policy(config: RecipeConfig, engine: Engine | None = None,
-                needs_tools: bool = False) -> tuple[Any, Engine]:
-    """The tokenizer with the recipe's chat template, and the engine on the recipe's model (unless
-    one is given)."""
+def check_tool_schemas(tokenizer: Any, tools: list) -> None:
+    """Stop, before any model loads, on a tool schema the chat template would render with control
+    tokens in it (a description from an MCP or tool server spelling `<|im_end|>`)."""
+    try:
+        ChatRenderer(tokenizer, tools)
+    except SpecialTextError as e:
+        raise ConfigError(f"rollout.tool_configs: {e}") from None
+
+
+def load_policy(config: RecipeConfig, engine: Engine | None = None, needs_tools: bool = False,
+                tools: list | None = None) -> tuple[Any, Engine]:
+    """The tokenizer with the recipe's chat template, the `tools`' schemas checked against it, and
+    the engine on the recipe's model (unless one is given)."""
     tokenizer = load_tokenizer(config.model.path, config.model.chat_template, needs_tools=needs_tools)
+    check_tool_schemas(tokenizer, tools or [])
     if engine is None:
         engine = build_engine(config, tokenizer.pad_token_id, stop_token_ids(tokenizer))
     return tokenizer, engine
@@ -149,7 +162,7 @@ def build_runner(config: RecipeConfig, engine: Engine | None = None, files_key: 
             agent = load_agent(config)
         tasks = load_tasks(config, files_key) if with_tasks else []
         warn_unknown_tool_kwargs(tasks, tools)
-        tokenizer, engine = load_policy(config, engine, needs_tools=bool(tools) or agent is not None)
+        tokenizer, engine = load_policy(config, engine, needs_tools=bool(tools) or agent is not None, tools=tools)
     except BaseException:
         close_tools(tools)
         raise

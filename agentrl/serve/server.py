@@ -41,7 +41,8 @@ def serve_settings(settings: EpisodeSettings, model_name: str, for_training: boo
                          max_new_tokens=settings.max_new_tokens_per_turn, temperature=settings.temperature,
                          top_p=settings.top_p, fixed_sampling=for_training,
                          max_turns=settings.max_turns if for_training else None,
-                         open_sessions_only=for_training)
+                         open_sessions_only=for_training,
+                         system_prompt=settings.system_prompt if for_training else None)
 
 
 def bind(host: str, port: int) -> socket.socket:

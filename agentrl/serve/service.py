@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import jinja2
 
-from agentrl.rollout.chat import ChatRenderer, SpecialTextError, TemplateError, stop_token_ids
+from agentrl.rollout.chat import ChatRenderer, SpecialTextError, TemplateError, schema_special_text, stop_token_ids
 from agentrl.rollout.engine import Engine
 from agentrl.serve.protocol import SESSION_HEADER, ChatRequest, RequestError, chat_messages
 from agentrl.serve.sessions import Session, SessionStore, commit_turn, plan_turn
@@ -57,6 +57,7 @@ class ServeSettings:
     max_sessions: int = 10_000
     max_segments: int = 8  # segments a session keeps the records of (sessions.py)
     open_sessions_only: bool = False  # a session id must have been opened (agent episodes); else any id starts one
+    system_prompt: str | None = None  # the recipe's (agent episodes), rendered as written; not a client's
 
 
 @contextmanager
@@ -95,18 +96,12 @@ class ChatService:
     def renderer(self, tools: list[dict[str, Any]] | None) -> ChatRenderer:
         renderer = ChatRenderer(self.tokenizer, [])
         renderer.schemas = tools  # the request's schemas, exactly as sent, are what the template shows
-        if self.settings.open_sessions_only:
-            # Agent episodes: the agent is the recipe's code, sending the recipe's system prompt and
-            # tools, rendered as the builtin loop renders them.
-            return renderer
-        renderer.literal_system = True  # a client's system messages are its own text, kept as text
-        # Schemas render inside the template's own markup, where special text would become
-        # control tokens: refused.
-        schemas = json.dumps(tools, ensure_ascii=False) if tools else ""
-        found = next((t for t in renderer.special_texts if t in schemas), None)
-        if found:
-            raise RequestError(f"tools: a schema contains the special token text {found!r}, which would become "
-                               "a control token")
+        # Agent episodes: the recipe's system prompt renders as the builtin loop renders it. Any
+        # other system message is the client's text, kept as text.
+        renderer.system_prompt = self.settings.system_prompt
+        problem = schema_special_text(tools, renderer.special_texts)
+        if problem:
+            raise RequestError(f"tools: {problem}")
         return renderer
 
     async def complete(self, request: ChatRequest, session_id: str | None) -> dict[str, Any]:

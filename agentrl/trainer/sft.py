@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from agentrl.rollout.chat import ChatRenderer, normalize_tool_calls
+from agentrl.rollout.chat import ChatRenderer, SpecialTextError, normalize_tool_calls
 from agentrl.trainer.logprobs import pad_sequences, token_logprobs
 
 
@@ -98,7 +98,11 @@ def run_sft(config) -> str:
                                                config.rollout.system_prompt)
                      if s.data == "arithmetic" else conversation_file(s.data))
     tokenizer = load_tokenizer(s.base_model, config.model.chat_template, needs_tools=bool(tools))
-    renderer = ChatRenderer(tokenizer, tools)
+    try:
+        renderer = ChatRenderer(tokenizer, tools)
+    except SpecialTextError as e:  # a tool schema spelling a control token: before the model loads
+        raise ConfigError(f"rollout.tool_configs: {e}") from None
+    renderer.system_prompt = config.rollout.system_prompt  # rendered as written; a conversation's own is text
     samples = [conversation_sample(renderer, c) for c in conversations]
     model = load_model(s.base_model)
     if config.model.lora.rank > 0:  # the adapters train and are saved; load_model merges them for use
