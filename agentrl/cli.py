@@ -38,17 +38,22 @@ def _recipe_command(args: argparse.Namespace) -> int:
     # a bad recipe stops before any heavy import
     config = load_recipe(args.recipe, args.overrides, for_training=args.command == "train",
                          devices=DEVICE_KEYS[args.command], outputs=OUTPUT_KEYS[args.command])
-    _allocator()
+    _allocator(args)
     getattr(importlib.import_module(module), function)(config)
     return 0
 
 
-def _allocator() -> None:
-    """Run on tcmalloc where it is installed (agentrl/allocator.py: this may re-execute the command)."""
-    from agentrl.allocator import OPT_OUT, use_tcmalloc
+def _allocator(args: argparse.Namespace) -> None:
+    """Run on tcmalloc where it is installed (agentrl/allocator.py: this may re-execute the command).
+    Only for the process's own command line: `main([...])` called from a program (a notebook, a
+    script) would re-execute that program, not the command it was given."""
+    from agentrl.allocator import OPT_OUT, active_allocator, find_tcmalloc, use_tcmalloc
 
-    name = use_tcmalloc()
-    hint = " (faster on CPU: install libtcmalloc-minimal4)" if name == "system" and not os.environ.get(OPT_OUT) else ""
+    name = use_tcmalloc() if args.own_command_line else active_allocator()
+    hint = ""
+    if name == "system" and not os.environ.get(OPT_OUT):
+        hint = (" (faster on CPU: install libtcmalloc-minimal4)" if find_tcmalloc() is None else
+                " (called from a program: start it with LD_PRELOAD=<libtcmalloc> for tcmalloc)")
     print(f"agentrl: memory allocator {name}{hint}", file=sys.stderr)
 
 
@@ -57,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     # a bad recipe stops before the model loads
     config = load_recipe(args.recipe, args.overrides, devices=DEVICE_KEYS["serve"])
-    _allocator()
+    _allocator(args)
     print(to_yaml(config), file=sys.stderr)  # the effective config, as the other recipe commands print it
     from agentrl.serve.server import run_serve
 
@@ -189,6 +194,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.own_command_line = argv is None  # sys.argv: the command may be re-executed as typed
     # Without this, atexit and finally blocks never run. Not for the servers: uvicorn handles its signals.
     for signum in (signal.SIGTERM, signal.SIGHUP) if args.func is _recipe_command else ():
         if signal.getsignal(signum) == signal.SIG_DFL:

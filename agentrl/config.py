@@ -7,6 +7,7 @@ recipe.py reads a file and its overrides into this schema.
 
 from __future__ import annotations
 
+import os
 import re
 import types
 from pathlib import Path
@@ -49,6 +50,15 @@ def _check_device(device: str) -> str:
 Device = Annotated[str, AfterValidator(_check_device)]
 
 
+def _home(path: str) -> str:
+    """`~` expanded, as a shell would have done on a command line: a recipe or an override that
+    names `~/runs/x` must not write to a directory called `~` under the working directory."""
+    return os.path.expanduser(path)
+
+
+PathText = Annotated[str, AfterValidator(_home)]  # a file or directory (or a name that is not one)
+
+
 class LoraSettings(_Section):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (full fine-tuning).")
     alpha: float | None = Field(None, gt=0, description="LoRA alpha (null: 2 × rank).")
@@ -86,9 +96,9 @@ def _read_bf16_autocast(data: Any, section: str) -> Any:
 
 
 class ModelConfig(_Section):
-    path: str = Field("smollm2-135m-instruct", description="Local model directory, hub id, or builtin name.")
+    path: PathText = Field("smollm2-135m-instruct", description="Local model directory, hub id, or builtin name.")
     dtype: Dtype = Field("auto", description="Weight dtype of the engine's model. " + DTYPE_AUTO)
-    chat_template: str | None = Field(
+    chat_template: PathText | None = Field(
         None, description="'hermes', a Jinja file, or null for the model's own (hermes if it ignores tools).")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapters (SFT and RL).")
 
@@ -100,7 +110,7 @@ class ArithmeticConfig(_Section):
 
 class DataConfig(_Section):
     source: str = Field("arithmetic", description="'arithmetic' (generated), 'files', or a hub dataset id.")
-    files: list[str] = Field(default_factory=list, description="jsonl/json/parquet/csv files when source is 'files'.")
+    files: list[PathText] = Field(default_factory=list, description="jsonl/json/parquet/csv files when source is 'files'.")
     split: str = Field("train", description="Split of a hub dataset.")
     prompt_key: str = Field("question", description="Column holding the user prompt.")
     answer_key: str | None = Field("answer", description="Column holding the ground truth (null: none).")
@@ -111,8 +121,8 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    tool_configs: list[str] = Field(default_factory=list, description="Tool YAML files (tool_configs/*.yaml).")
-    interaction_config: str | None = Field(None, description="Interaction YAML file, or null for none.")
+    tool_configs: list[PathText] = Field(default_factory=list, description="Tool YAML files (tool_configs/*.yaml).")
+    interaction_config: PathText | None = Field(None, description="Interaction YAML file, or null for none.")
     parser: Literal["hermes"] = Field("hermes", description="Function-call format the model emits.")
     system_prompt: str | None = Field(None, description="System message placed before each task's prompt "
                                                         "(a task given as messages with its own system message "
@@ -178,9 +188,9 @@ class RewardConfig(_Section):
 
 
 class SFTConfig(_Section):
-    base_model: str | None = Field(None, description="Model the SFT stage starts from (null: model.path).")
-    output: str | None = Field(None, description="Where the SFT model is saved (default <output_dir>/sft).")
-    data: str = Field("arithmetic", description="'arithmetic' (generated calculator demonstrations) or a jsonl "
+    base_model: PathText | None = Field(None, description="Model the SFT stage starts from (null: model.path).")
+    output: PathText | None = Field(None, description="Where the SFT model is saved (default <output_dir>/sft).")
+    data: PathText = Field("arithmetic", description="'arithmetic' (generated calculator demonstrations) or a jsonl "
                                                 "file with a 'messages' list per line.")
     num_examples: int = Field(32, ge=1, description="Generated demonstrations (data 'arithmetic').")
     min_digits: int = Field(2, ge=1, le=MAX_DIGITS, description="Fewest digits of a demonstration operand.")
@@ -276,7 +286,7 @@ class TrainerConfig(_Section):
 
 
 class CriticConfig(_Section):
-    path: str | None = Field(None, description="Critic start point: a saved critic or causal LM "
+    path: PathText | None = Field(None, description="Critic start point: a saved critic or causal LM "
                                                "(null: a copy of the policy's transformer, zero value head).")
     lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Critic AdamW weight decay.")
@@ -287,13 +297,13 @@ class EvalConfig(_Section):
     num_tasks: int = Field(32, ge=1, description="Held-out tasks.")
     seed: int = Field(10_000, ge=0, lt=2**63,
                       description="Seed of held-out arithmetic tasks (data.source 'arithmetic').")
-    files: list[str] = Field(default_factory=list, description="Held-out task files (other sources).")
+    files: list[PathText] = Field(default_factory=list, description="Held-out task files (other sources).")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature for evaluation (0: greedy).")
 
 
 class RecipeConfig(_Section):
     name: str = Field("run", description="Run name; names the output directory.")
-    output_dir: str | None = Field(None, description="Where outputs go (default runs/<name>).")
+    output_dir: PathText | None = Field(None, description="Where outputs go (default runs/<name>).")
     seed: int = Field(0, ge=0, lt=2**63, description="Global seed.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Where tasks come from.")

@@ -152,11 +152,15 @@ def _load_dataset(name: str, split: str, files: list[str] | None = None, files_k
     `files`, or a hub dataset id."""
     import datasets
 
-    if files is not None and all(Path(f).stat().st_size == 0 for f in files):
-        return []  # datasets cannot even infer a schema from empty files
-    # CSV cells as written: pandas would read the answer 0012 as 12.0 and the ids 001 and 01 as one
+    if files is None and Path(name).is_file():  # not a dataset name: datasets would say it is not found
+        raise ConfigError(f"data.source: '{name}' is a file; give it as data.source: files, data.files: [{name}]")
+    if files is not None and all(_no_rows(name, f) for f in files):
+        return []  # datasets cannot even infer a schema from empty files, or read a table of no rows
+    # CSV cells as written: pandas would read the answer 0012 as 12.0 and the ids 001 and 01 as one;
+    # and without index_col=False, rows one cell longer than the header (a trailing comma) would
+    # have their first cell taken for an index and every other moved one column to the left.
     try:
-        options = {"features": _text_columns(files[0])} if name == "csv" and files else {}
+        options = {"features": _text_columns(files[0]), "index_col": False} if name == "csv" and files else {}
         ds = (datasets.load_dataset(name, split=split) if files is None
               else datasets.load_dataset(name, data_files=files, split=split, **options))
     except Exception as e:  # a malformed file or a missing dataset: name it, without datasets' traceback
@@ -167,6 +171,34 @@ def _load_dataset(name: str, split: str, files: list[str] | None = None, files_k
             raise ConfigError(f"data.source: cannot load dataset '{name}' ({first})") from None
         raise ConfigError(f"{files_key}: cannot read {files} ({type(e).__name__}: {first})") from None
     return ds.select(range(min(limit, len(ds)))) if limit is not None else ds
+
+
+def _no_rows(builder: str, path: str) -> bool:
+    """Whether a task file holds no rows: empty, a CSV header alone, a parquet table of none. A
+    CSV row with more cells than the header, past an empty trailing one, is a ConfigError."""
+    if Path(path).stat().st_size == 0:
+        return True
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        except Exception:  # not parquet after all: datasets names the problem
+            return False
+    if builder != "csv":
+        return False
+    import csv
+
+    rows = 0
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        for row in reader:
+            if len(row) > len(header) and any(cell.strip() for cell in row[len(header):]):
+                raise ConfigError(f"{path} row {reader.line_num - 1}: {len(row)} cells under a header of "
+                                  f"{len(header)} columns ({', '.join(header)})")
+            rows += bool(row)
+    return rows == 0
 
 
 def _text_columns(path: str) -> Any:
@@ -312,6 +344,8 @@ def jsonl_objects(path: str | Path, cut_short_end: bool = False,
                 if not line.strip():
                     continue
                 row = json.loads(line, parse_constant=None if non_finite else _not_json)
+            except RecursionError:  # nesting deeper than Python's json parser goes
+                raise ConfigError(f"{path}:{number}: not valid JSON (nested too deeply to read)") from None
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 if cut_short_end and not raw.endswith(b"\n"):
                     print(f"agentrl: {path}:{number}: the last line is cut short (the run stopped while writing "

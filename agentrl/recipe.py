@@ -155,6 +155,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
+        if node.get(part) is None and is_section(parts[: i + 1]):  # absent, or a section left empty
+            node[part] = {}
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"override '{override}': '{'.'.join(parts[: i + 1])}' is not a section")
@@ -176,6 +178,16 @@ def read_recipe_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: empty recipe (it sets no key; an empty file would run every default)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of sections")
+    return _empty_sections_filled(data, [])
+
+
+def _empty_sections_filled(data: dict[str, Any], parts: list[str]) -> dict[str, Any]:
+    """`data` with each section written with no keys (`trainer:` above lines all commented out),
+    which YAML reads as null, as an empty mapping: the section's defaults."""
+    for key, value in data.items():
+        path = parts + [str(key)]
+        if isinstance(key, str) and (value is None or isinstance(value, dict)) and is_section(path):
+            data[key] = _empty_sections_filled(value or {}, path)
     return data
 
 
@@ -233,7 +245,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training
     try:
         config = RecipeConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{source}: {describe_error(e)}") from None
+        raise ConfigError(f"{blamed(e, overrides) or source}: {describe_error(e)}") from None
     try:
         if for_training:
             check_training(config)
@@ -242,6 +254,14 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     return config
+
+
+def blamed(e: ValidationError, overrides: list[str]) -> str | None:
+    """"override '<it>'" when the value the first error is about came from an override (the last
+    one that set that key or a section above it), else None: the recipe file wrote it."""
+    where = [str(p) for p in e.errors()[0]["loc"]]
+    setting = [o for o in overrides if where and where[: len(k := o.partition("=")[0].split("."))] == k]
+    return f"override '{setting[-1]}'" if setting else None
 
 
 def describe_error(e: ValidationError) -> str:

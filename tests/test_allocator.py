@@ -42,3 +42,18 @@ def test_a_command_runs_again_on_tcmalloc_with_the_same_arguments_and_environmen
 def test_the_system_allocator_when_asked_for_it():
     env = {key: value for key, value in os.environ.items() if key != "TCMALLOC_RELEASE_RATE"}
     assert run({"AGENTRL_ALLOCATOR": "system", "LD_PRELOAD": ""}, env) == ["start", "system ['a b', '--flag=1'] - kept -"]
+
+
+def test_main_called_from_a_program_never_re_executes_that_program(tmp_path):
+    """`agentrl.cli.main([...])` from a script or a notebook: re-executing sys.orig_argv would run
+    the caller's program again from its start (a notebook's kernel replaced)."""
+    if find_tcmalloc() is None:
+        pytest.skip("tcmalloc is not installed (Debian: libtcmalloc-minimal4, `make system-packages`)")
+    script = ("print('start', flush=True)\n"
+              "from agentrl.cli import main\n"
+              f"print(main(['rollout', 'recipes/rollout_cpu.yaml', 'model.path={tmp_path}/no-model', "
+              f"'output_dir={tmp_path}/out']), flush=True)\n")
+    env = {key: value for key, value in os.environ.items() if key not in ("AGENTRL_ALLOCATOR", "LD_PRELOAD")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.splitlines() == ["start", "2"], done.stderr  # the missing model: a ConfigError, once
+    assert "agentrl: memory allocator system" in done.stderr

@@ -61,7 +61,7 @@ def test_cli_rejects_bad_key_before_loading_anything(tmp_path):
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml",
                            "rollout.max_turn=3", "model.path=/nonexistent"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip() == "agentrl: error: recipes/rollout_cpu.yaml: unknown key 'rollout.max_turn'"
+    assert done.stderr.strip() == "agentrl: error: override 'rollout.max_turn=3': unknown key 'rollout.max_turn'"
 
 
 def test_cli_rejects_bad_tool_file_before_loading_the_model(tmp_path):
@@ -93,7 +93,7 @@ def test_training_commands_reject_a_bad_key_before_any_model_code(command):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
-        "agentrl: error: recipes/quickstart.yaml: unknown key 'trainer.bogus_key'"]
+        "agentrl: error: override 'trainer.bogus_key=1': unknown key 'trainer.bogus_key'"]
     assert done.stdout.strip() == "[]"  # neither torch nor transformers was even imported
 
 
@@ -221,7 +221,7 @@ def test_overrides_keep_null_lists_and_booleans_where_the_field_takes_them():
 def test_number_overrides_are_plain_decimal_text(override, message):
     with pytest.raises(ConfigError) as err:
         load_recipe("recipes/quickstart.yaml", [override])
-    assert str(err.value) == f"recipes/quickstart.yaml: {message}"
+    assert str(err.value) == f"override '{override}': {message}"
 
 
 def test_an_override_that_yaml_reads_as_a_comment_is_refused():
@@ -267,13 +267,16 @@ def test_merge_keys_may_override_what_they_merge(tmp_path):
     (["trainer.bf16_autocast=true", "trainer.dtype=float32"],
      "trainer.bf16_autocast and trainer.dtype are both set; keep only dtype"),
     (["data.arithmetic.min_digits=5"], "data.arithmetic.min_digits is larger than max_digits"),
-    (["engine.device=gpu"], "engine.device: expected 'cpu', 'cuda' or 'cuda:N' (got 'gpu')"),
-    (["trainer.device=cuda:x"], "trainer.device: expected 'cpu', 'cuda' or 'cuda:N' (got 'cuda:x')"),
+    # a field's own check: the override that set it is named
+    (["engine.device=gpu"], "override 'engine.device=gpu': engine.device: expected 'cpu', 'cuda' or 'cuda:N' "
+                            "(got 'gpu')"),
+    (["trainer.device=cuda:x"], "override 'trainer.device=cuda:x': trainer.device: expected 'cpu', 'cuda' or "
+                                "'cuda:N' (got 'cuda:x')"),
 ])
 def test_section_checks_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_recipe(None, overrides)
-    assert str(err.value) == f"<defaults>: {message}"
+    assert str(err.value) == (message if message.startswith("override") else f"<defaults>: {message}")
 
 
 @pytest.mark.parametrize("available,count,device,seen", [
@@ -388,3 +391,30 @@ def test_a_command_without_its_recipe_names_only_the_recipe_as_missing():
         done = subprocess.run([sys.executable, "-m", "agentrl.cli", command], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2
         assert done.stderr.endswith(f"agentrl {command}: error: the following arguments are required: recipe\n")
+
+
+def test_a_section_left_empty_takes_its_defaults_and_dotted_overrides_reach_into_it(tmp_path):
+    """`trainer:` with every key commented out is null in YAML: it was refused as not a mapping,
+    and `trainer.steps=2` was refused as "'trainer' is not a section"."""
+    path = tmp_path / "r.yaml"
+    path.write_text("name: r\ntrainer:\n  # steps: 3\nmodel:\n  lora:\n")
+    assert load_recipe(path).trainer.steps == 10 and load_recipe(path).model.lora.rank == 0
+    config = load_recipe(path, ["trainer.steps=2", "model.lora.rank=8"])
+    assert (config.trainer.steps, config.model.lora.rank) == (2, 8)
+
+
+def test_a_bad_value_from_an_override_is_blamed_on_the_override_not_the_file():
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/quickstart.yaml", ["trainer.steps=4", "trainer.lr=abc"])
+    assert str(err.value).startswith("override 'trainer.lr=abc': trainer.lr: Input should be a valid number")
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/quickstart.yaml", ["trainer={lr: abc}"])
+    assert str(err.value).startswith("override 'trainer={lr: abc}': trainer.lr: Input should be a valid number")
+
+
+def test_a_home_directory_in_a_path_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_recipe("recipes/quickstart.yaml", ["output_dir=~/runs/x", "sft.output=~/sft", "data.source=files",
+                                                     "data.files=[~/tasks.jsonl]"])
+    assert (config.output_dir, config.sft.output, config.data.files) == (
+        f"{tmp_path}/runs/x", f"{tmp_path}/sft", [f"{tmp_path}/tasks.jsonl"])

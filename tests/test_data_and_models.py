@@ -283,7 +283,36 @@ def test_a_bad_csv_row_names_the_reason(tmp_path):
     path.write_text("question,answer\nq1,1\nq2,2,3\n")
     with pytest.raises(ConfigError) as err:
         dataset_tasks("files", [str(path)], "train", "question", "answer")
-    assert str(err.value).endswith("Error tokenizing data. C error: Expected 2 fields in line 3, saw 3)")
+    assert str(err.value) == f"{path} row 2: 3 cells under a header of 2 columns (question, answer)"
+
+
+def test_csv_rows_ending_in_a_comma_keep_their_columns_and_empty_tables_have_no_rows(tmp_path):
+    """A row one cell longer than its header (an export's trailing comma) had its first cell taken
+    for pandas' index: every other cell moved one column left, so the answer read as null or the
+    prompt as the answer. A header alone or a parquet table of no rows gave datasets' own errors."""
+    import pandas as pd
+
+    path = tmp_path / "tasks.csv"
+    path.write_text("question,answer\nq1,1,\nq2,2,\n")
+    tasks = dataset_tasks("files", [str(path)], "train", "question", "answer")
+    assert [(t.prompt, t.answer) for t in tasks] == [("q1", "1"), ("q2", "2")]
+    path.write_text("question,answer\n")
+    assert dataset_tasks("files", [str(path)], "train", "question", "answer") == []
+    table = tmp_path / "tasks.parquet"
+    pd.DataFrame({"question": [], "answer": []}).astype(str).to_parquet(table)
+    assert dataset_tasks("files", [str(table)], "train", "question", "answer") == []
+
+
+def test_a_task_file_given_as_a_dataset_name_or_nested_too_deeply_is_named(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(GOOD_ROW)
+    with pytest.raises(ConfigError) as err:
+        dataset_tasks(str(path), [], "train", "question", "answer")
+    assert str(err.value) == f"data.source: '{path}' is a file; give it as data.source: files, data.files: [{path}]"
+    path.write_text(GOOD_ROW + '{"question": "x", "answer": "1", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(ConfigError) as err:
+        dataset_tasks("files", [str(path)], "train", "question", "answer")
+    assert str(err.value) == f"{path}:2: not valid JSON (nested too deeply to read)"
 
 
 def test_two_rows_sharing_an_id_are_refused(tmp_path):

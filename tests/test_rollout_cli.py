@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from agentrl.recipe import load_recipe
-from agentrl.rollout.run import write_run_config
+from agentrl.rollout.run import eval_name, write_run_config
 
 
 def test_rollout_writes_jsonl_and_summary(tmp_path, tiny_model_dir):
@@ -54,7 +54,8 @@ def test_rollout_and_eval_whose_episodes_failed_write_them_then_exit_1_naming_th
     model had scored it; now past trainer.max_failed_fraction the results are written and the
     command fails as a training step does, naming the cause."""
     for command, recipe, name in (("rollout", "recipes/rollout_cpu.yaml", "rollout.jsonl"),
-                                  ("eval", "recipes/quickstart.yaml", f"eval_{tiny_model_dir.name}.jsonl")):
+                                  ("eval", "recipes/quickstart.yaml",
+                                   f"eval_{eval_name(str(tiny_model_dir), str(tmp_path / 'eval'))}.jsonl")):
         out = tmp_path / command
         done = subprocess.run(
             [sys.executable, "-m", "agentrl.cli", command, recipe, f"model.path={tiny_model_dir}", f"output_dir={out}",
@@ -115,7 +116,7 @@ def test_eval_writes_its_config_beside_its_results_but_keeps_a_training_runs(tmp
     assert done.returncode == 0, done.stderr[-2000:]
     assert "name: quickstart\n" in done.stderr  # the effective config is printed, as rollout and train print it
     assert load_recipe(tmp_path / "eval" / "config.yaml").model.path == str(tiny_model_dir)
-    assert (tmp_path / "eval" / f"eval_{tiny_model_dir.name}.jsonl").is_file()
+    assert (tmp_path / "eval" / f"eval_{eval_name(str(tiny_model_dir), str(tmp_path / 'eval'))}.jsonl").is_file()
     run = tmp_path / "run"  # a training run's directory: its own config.yaml stays
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -190,3 +191,28 @@ def test_a_rollout_that_cannot_build_its_engine_stops_the_tool_servers_it_starte
     with pytest.raises(ConfigError, match="rollout.max_context_tokens"):
         build_runner(config)
     assert server_stopped(marker)
+
+
+def test_each_evaluated_model_has_files_of_its_own(tmp_path, monkeypatch):
+    """The last directory's name alone sent runs/a/final and runs/b/final to one eval_final.jsonl."""
+    monkeypatch.chdir(tmp_path)
+    out = "runs/quickstart"
+    assert [eval_name(path, out) for path in ["runs/quickstart/final", "runs/quickstart/previous/final",
+                                              "runs/a/final", "runs/b/final", "./runs/quickstart",
+                                              "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M"]] == [
+        "final", "previous_final", "runs_a_final", "runs_b_final", "quickstart", "smollm2-135m-instruct",
+        "HuggingFaceTB_SmolLM2-135M"]
+    assert eval_name("/models/x", out) == "models_x"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.function=null", "reward.function: null, so eval has nothing to score: its accuracy is the mean "
+                             "outcome reward"),
+    ("data.answer_key=null", "data.answer_key: null, so eval has nothing to score: reward.function (gsm8k_reward) "
+                             "compares each answer with the task's"),
+])
+def test_eval_with_nothing_to_score_stops_before_the_model_loads(tmp_path, override, message):
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "eval", "recipes/quickstart.yaml", override,
+                           f"model.path={tmp_path}/no-model", f"output_dir={tmp_path}/out"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().endswith(f"agentrl: error: {message}"), done.stderr[-2000:]

@@ -227,9 +227,31 @@ def run_rollout(config: RecipeConfig) -> dict[str, float]:
     return summary
 
 
+def eval_name(model_path: str, output_dir: str) -> str:
+    """What names an evaluated model's files, one per model: its path under `output_dir` (`final`,
+    `previous_final`), else under the working directory (`runs_a_final`), else as given (a builtin
+    or hub name, an absolute path), with the separators as `_`. The last directory's name alone
+    made runs/a/final and runs/b/final write to one file, the second run deleting the first's
+    summary."""
+    path = Path(model_path)
+    for base in (Path(output_dir), Path.cwd()):
+        try:
+            path = Path(model_path).resolve().relative_to(base.resolve())
+            break
+        except ValueError:  # not under it
+            pass
+    return "_".join(part for part in path.parts if part not in ("/", ".", "..")) or Path(model_path).resolve().name
+
+
 def run_eval(config: RecipeConfig) -> dict[str, float]:
     """`agentrl eval`: one episode per held-out task at eval.temperature; accuracy = mean outcome reward."""
     print(to_yaml(config), file=sys.stderr)
+    if config.reward.function is None:
+        raise ConfigError("reward.function: null, so eval has nothing to score: its accuracy is the mean outcome "
+                          "reward")
+    if config.data.answer_key is None and config.reward.function == "agentrl.env.rewards:gsm8k_reward":
+        raise ConfigError("data.answer_key: null, so eval has nothing to score: reward.function (gsm8k_reward) "
+                          "compares each answer with the task's")
     e = config.eval
     overrides = {"rollout": {**config.rollout.model_dump(), "temperature": e.temperature, "group_size": 1}}
     if e.files:
@@ -240,7 +262,7 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
         raise ConfigError("eval.files: held-out files are needed when data.source is not 'arithmetic'")
     eval_config = RecipeConfig.model_validate({**config.model_dump(), **overrides})
     runner, tasks = build_runner(eval_config, files_key="eval.files" if e.files else "data.files")
-    out = Path(config.output_dir) / f"eval_{Path(config.model.path).name}.jsonl"  # one file per evaluated model
+    out = Path(config.output_dir) / f"eval_{eval_name(config.model.path, config.output_dir)}.jsonl"
     try:
         write_run_config(config)
         started = time.perf_counter()
