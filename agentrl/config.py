@@ -21,7 +21,9 @@ def value_types(annotation: Any) -> tuple[set[Any], bool]:
     if annotation is None:
         return set(), False
     args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
-    return {a for a in args if a is not type(None)}, type(None) in args
+    # `PathText | None` keeps its Annotated member, whose type is the first argument
+    kinds = {get_args(a)[0] if get_origin(a) is Annotated else a for a in args if a is not type(None)}
+    return kinds, type(None) in args
 
 
 # Operands longer than this make expressions past the calculator's 500-character limit.

@@ -154,7 +154,7 @@ def _load_dataset(name: str, split: str, files: list[str] | None = None, files_k
 
     if files is None and Path(name).is_file():  # not a dataset name: datasets would say it is not found
         raise ConfigError(f"data.source: '{name}' is a file; give it as data.source: files, data.files: [{name}]")
-    if files is not None and all(_no_rows(name, f) for f in files):
+    if files is not None and all([_no_rows(name, f) for f in files]):  # every file checked, not up to one with rows
         return []  # datasets cannot even infer a schema from empty files, or read a table of no rows
     # CSV cells as written: pandas would read the answer 0012 as 12.0 and the ids 001 and 01 as one;
     # and without index_col=False, rows one cell longer than the header (a trailing comma) would
@@ -190,14 +190,18 @@ def _no_rows(builder: str, path: str) -> bool:
     import csv
 
     rows = 0
+    csv.field_size_limit(2**31 - 1)  # a task's prompt may be longer than the module's 128 KiB default
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         reader = csv.reader(f)
         header = next(reader, [])
-        for row in reader:
-            if len(row) > len(header) and any(cell.strip() for cell in row[len(header):]):
-                raise ConfigError(f"{path} row {reader.line_num - 1}: {len(row)} cells under a header of "
-                                  f"{len(header)} columns ({', '.join(header)})")
-            rows += bool(row)
+        try:
+            for number, row in enumerate(reader, start=1):
+                if len(row) > len(header) and any(cell.strip() for cell in row[len(header):]):
+                    raise ConfigError(f"{path} row {number}: {len(row)} cells under a header of "
+                                      f"{len(header)} columns ({', '.join(header)})")
+                rows += bool(row)
+        except csv.Error:  # malformed: datasets names the problem
+            return False
     return rows == 0
 
 

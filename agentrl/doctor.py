@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from agentrl.errors import ConfigError
-from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer, SpecialTextError
 from agentrl.tools.base import Tool
 from agentrl.tools.parsers import ParsedTurn, get_parser
 from agentrl.types import ToolCall
@@ -79,7 +79,10 @@ class Doctor:
             raise ConfigError(f"--parser: unknown parser '{parser}' (known: {', '.join(CALL_TEXT)})")
         self.tokenizer, self.tools = tokenizer, tools
         self.parse: Callable[[str], ParsedTurn] = get_parser(parser)
-        self.renderer = ChatRenderer(tokenizer, tools)
+        try:
+            self.renderer = ChatRenderer(tokenizer, tools)
+        except SpecialTextError as e:  # a schema the template would render with control tokens in it
+            raise ConfigError(str(e)) from None
         self.call = sample_call(tools[0])
         self.conversation = [
             {"role": "system", "content": "You are a careful assistant."},

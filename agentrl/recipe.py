@@ -260,7 +260,23 @@ def blamed(e: ValidationError, overrides: list[str]) -> str | None:
     """"override '<it>'" when the value the first error is about came from an override (the last
     one that set that key or a section above it), else None: the recipe file wrote it."""
     where = [str(p) for p in e.errors()[0]["loc"]]
-    setting = [o for o in overrides if where and where[: len(k := o.partition("=")[0].split("."))] == k]
+
+    def sets_it(override: str) -> bool:
+        key, _, raw = override.partition("=")
+        parts = key.split(".")
+        if not where or where[: len(parts)] != parts:
+            return False
+        try:  # a mapping given for a section: does it hold the rest of the path?
+            value = yaml.safe_load(raw) if len(parts) < len(where) else None
+        except yaml.YAMLError:
+            return False
+        for part in where[len(parts):]:
+            if not isinstance(value, dict) or part not in value:
+                return False
+            value = value[part]
+        return True
+
+    setting = [o for o in overrides if sets_it(o)]
     return f"override '{setting[-1]}'" if setting else None
 
 

@@ -403,13 +403,26 @@ def test_a_section_left_empty_takes_its_defaults_and_dotted_overrides_reach_into
     assert (config.trainer.steps, config.model.lora.rank) == (2, 8)
 
 
-def test_a_bad_value_from_an_override_is_blamed_on_the_override_not_the_file():
+def test_a_bad_value_from_an_override_is_blamed_on_the_override_not_the_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_recipe("recipes/quickstart.yaml", ["trainer.steps=4", "trainer.lr=abc"])
     assert str(err.value).startswith("override 'trainer.lr=abc': trainer.lr: Input should be a valid number")
     with pytest.raises(ConfigError) as err:
         load_recipe("recipes/quickstart.yaml", ["trainer={lr: abc}"])
     assert str(err.value).startswith("override 'trainer={lr: abc}': trainer.lr: Input should be a valid number")
+    path = tmp_path / "r.yaml"
+    path.write_text("name: r\ntrainer:\n  lr: abc\n")  # the file's value, beside an override of its section
+    with pytest.raises(ConfigError) as err:
+        load_recipe(path, ["trainer={steps: 3}"])
+    assert str(err.value).startswith(f"{path}: trainer.lr: Input should be a valid number")
+
+
+def test_optional_path_fields_take_override_text_verbatim():
+    """`PathText | None` fields were read as YAML: a '#' cut the path, '0x10' became 16, 'on' True."""
+    config = load_recipe("recipes/quickstart.yaml", ["output_dir=runs/a #1", "model.chat_template=0x10",
+                                                     "sft.output=on", "critic.path=null"])
+    assert (config.output_dir, config.model.chat_template, config.sft.output, config.critic.path) == (
+        "runs/a #1", "0x10", "on", None)
 
 
 def test_a_home_directory_in_a_path_is_expanded(monkeypatch, tmp_path):

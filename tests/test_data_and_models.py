@@ -284,6 +284,12 @@ def test_a_bad_csv_row_names_the_reason(tmp_path):
     with pytest.raises(ConfigError) as err:
         dataset_tasks("files", [str(path)], "train", "question", "answer")
     assert str(err.value) == f"{path} row 2: 3 cells under a header of 2 columns (question, answer)"
+    path.write_text('question,answer\n"a cell\nof three\nlines",1\nq2,2,3\n')  # rows, not lines
+    with pytest.raises(ConfigError) as err:
+        dataset_tasks("files", [str(path)], "train", "question", "answer")
+    assert str(err.value) == f"{path} row 2: 3 cells under a header of 2 columns (question, answer)"
+    path.write_text('question,answer\nq,"' + "x" * 200_000 + '"\n')  # past the csv module's default field limit
+    assert [len(t.answer) for t in dataset_tasks("files", [str(path)], "train", "question", "answer")] == [200_000]
 
 
 def test_csv_rows_ending_in_a_comma_keep_their_columns_and_empty_tables_have_no_rows(tmp_path):

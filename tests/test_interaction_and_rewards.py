@@ -112,7 +112,13 @@ def test_an_episode_that_ends_while_calling_tools_has_no_final_answer(tokenizer)
     called = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
         "name": "calculator", "arguments": '{"expression": "72"}'}}]}
     assert gsm8k_reward(TASK, [called]) == 0.0  # OpenAI-style calls (an agent's record), no tool reply yet
-    assert gsm8k_reward(TASK, [{"role": "assistant", "content": [{"type": "text", "text": "72"}]}]) == 0.0
+    assert gsm8k_reward(TASK, [{"role": "assistant", "content": [{"type": "text", "text": "It is 72."}]}]) == 1.0
+    cut = EpisodeRunner(ScriptedEngine(tokenizer, ['<tool_call>\n{"name": "calculator", "arguments": '
+                                                   '{"expression": "5678 + 5678"'], stop=False),
+                        tokenizer, [calculator], parse_hermes, EpisodeSettings(max_new_tokens_per_turn=64),
+                        reward_fn=gsm8k_reward)
+    traj = asyncio.run(cut.run(task, group_id="g"))  # the call cut off by the length limit: no answer either
+    assert traj.finish == "length" and "5678" in traj.messages[-1]["content"] and traj.reward == 0.0
 
 
 def test_interaction_yaml(tmp_path):

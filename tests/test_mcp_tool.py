@@ -168,12 +168,12 @@ def test_an_unset_variable_or_a_secret_in_the_config_stops_loading_without_showi
         load_tools(path)
     assert str(e.value) == (
         f"{path}: tool #1 (class 'agentrl.tools.mcp:MCPTools'): constructing agentrl.tools.mcp:MCPTools with config "
-        "{'url': 'http://user:pw@127.0.0.1:9/mcp?key=abc', 'allow': ['x'], 'headers': {'Authorization': '***', "
+        "{'url': 'http://127.0.0.1:9/mcp', 'allow': ['x'], 'headers': {'Authorization': '***', "
         "'X-Key': '***'}} failed: headers.X-Key names the environment variable AGENTRL_TEST_UNSET, which is not set")
     monkeypatch.setenv("AGENTRL_TEST_UNSET", "set")
     with pytest.raises(ConfigError) as e:  # port 9 on loopback: nothing listens, the connection is refused
         load_tools(path)
-    assert "literal-secret" not in str(e.value)
+    assert "literal-secret" not in str(e.value) and "pw" not in str(e.value) and "abc" not in str(e.value)
     assert "failed: cannot reach the MCP server http://127.0.0.1:9/mcp: " in str(e.value)  # no password, no query
     with pytest.raises(ValueError, match="'headers' go with an HTTP server"):
         MCPTools(allow=["echo"], command=EXITING_SERVER, headers={"A": "b"})
@@ -228,6 +228,75 @@ def test_a_property_called_title_stays_in_every_map_keyed_by_property_name():
                 "dependentRequired": {"title": ["author"]},  # the key names a property: kept
                 "dependentSchemas": {"title": {"required": ["note"]}},  # the annotation inside: dropped
                 "dependencies": {"title": {"required": ["author"]}}}}}  # the older keyword for both
+    finally:
+        source.close()
+
+
+def test_a_server_that_restarted_between_calls_and_forgot_the_session_is_reconnected(monkeypatch, capfd):
+    """A server on the initialize handshake (before MCP 2026) answers a restarted process's unknown
+    session id with 404 "Session not found": every later call failed with it."""
+    import functools
+
+    import mcp
+
+    monkeypatch.setattr(mcp, "Client", functools.partial(mcp.Client, mode="legacy"))
+    port = free_port()
+    server = http_server(port)
+    source = MCPTools(allow=["multiply"], url=f"http://127.0.0.1:{port}/mcp", timeout_s=10)
+    (multiply,) = source.tools()
+
+    def run() -> str:
+        try:
+            return asyncio.run(multiply.execute("e/multiply", {"a": 6, "b": 7})).text
+        except MCPToolError as e:
+            return f"MCPToolError: {e}"
+
+    try:
+        assert run() == "42"
+        stop(server)
+        server = http_server(port)
+        assert run() == (f"MCPToolError: the MCP server http://127.0.0.1:{port}/mcp closed the connection: it exited "
+                         "or dropped the session; the next call reconnects")
+        assert run() == "42"
+        assert "agentrl: warning: reconnected to the MCP server" in capfd.readouterr().err
+    finally:
+        source.close()
+        stop(server)
+
+
+def test_a_reconnection_its_callers_gave_up_on_still_sets_the_backoff():
+    """Calls cancelled by their own timeout (ToolEnv's) used to cancel the attempt with them, so no
+    backoff was recorded and each later call started a new attempt and spent its whole timeout on
+    it. Here the port accepts connections and never answers."""
+    port = free_port()
+    server = http_server(port)
+    source = MCPTools(allow=["multiply"], url=f"http://127.0.0.1:{port}/mcp", timeout_s=10, connect_timeout_s=1)
+    (multiply,) = source.tools()
+
+    async def call(within_s: float) -> str:
+        try:
+            return (await asyncio.wait_for(multiply.execute("e/multiply", {"a": 6, "b": 7}), within_s)).text
+        except asyncio.TimeoutError:
+            return "timed out"
+        except MCPToolError as e:
+            return str(e)
+
+    try:
+        assert asyncio.run(call(10)) == "42"
+        stop(server)
+        outcomes = [asyncio.run(call(10))]  # the session ends; an attempt is refused at once: backoff 1 s
+        if "reconnecting failed" not in outcomes[-1]:
+            outcomes.append(asyncio.run(call(10)))
+        time.sleep(1.1)
+        with socket.create_server(("127.0.0.1", port)):  # listening, never answering: the next attempt hangs
+            outcomes += [asyncio.run(call(0.3)), asyncio.run(call(0.3))]  # given up on: the attempt runs on
+            time.sleep(1.0)  # past connect_timeout_s: the attempt failed, recording a backoff of 2 s
+            started = time.monotonic()
+            last = asyncio.run(call(5))
+            waited_s = time.monotonic() - started
+        assert outcomes[-2:] == ["timed out", "timed out"], outcomes
+        assert "reconnecting failed (ConnectError" in outcomes[-3]
+        assert "the next attempt to reconnect is in" in last and waited_s < 0.5, (outcomes, last)
     finally:
         source.close()
 

@@ -8,25 +8,32 @@ from typing import Any, Callable
 from agentrl.errors import ConfigError
 from agentrl.tools.builtin.gsm8k import ground_truth_number, parse_number
 from agentrl.tools.loader import resolve_reference
+from agentrl.tools.parsers import parse_hermes
 from agentrl.types import Task
 
 RewardFn = Callable[[Task, list[dict[str, Any]]], float]
 
 
 def final_answer_text(messages: list[dict[str, Any]]) -> str:
-    """The text of the last assistant message, or "" when that message called tools (its calls,
-    well-formed or answered by a tool message as malformed, are not an answer): an episode that
-    ran out of turns or context while calling tools gave none, and must not score on the numbers
-    in its calls' arguments."""
+    """The text of the last assistant message, or "" when that message called tools: structured
+    calls, a call block in its text (one cut off by the length limit, or malformed and answered
+    by a tool message as an error) are not an answer. An episode that ran out of turns or context
+    while calling tools gave none, and must not score on the numbers in its calls' arguments.
+    Content given as parts (OpenAI's list of `{"type": "text", "text": ...}`) is their text."""
     for i in range(len(messages) - 1, -1, -1):
         message = messages[i]
         if message.get("role") != "assistant":
             continue
-        answered_by_tool = i + 1 < len(messages) and messages[i + 1].get("role") == "tool"
-        if message.get("tool_calls") or answered_by_tool:
-            return ""
         content = message.get("content")
-        return content if isinstance(content, str) else ""
+        if isinstance(content, list):
+            content = "".join(part.get("text") or "" for part in content
+                              if isinstance(part, dict) and part.get("type") == "text")
+        content = content if isinstance(content, str) else ""
+        answered_by_tool = i + 1 < len(messages) and messages[i + 1].get("role") == "tool"
+        parsed = parse_hermes(content)
+        if message.get("tool_calls") or answered_by_tool or parsed.calls or parsed.errors:
+            return ""
+        return content
     return ""
 
 

@@ -9,6 +9,7 @@ trajectories.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -235,12 +236,12 @@ def eval_name(model_path: str, output_dir: str) -> str:
     summary."""
     path = Path(model_path)
     for base in (Path(output_dir), Path.cwd()):
-        try:
-            path = Path(model_path).resolve().relative_to(base.resolve())
+        try:  # abspath, not resolve: a link names the model by the link
+            path = Path(os.path.abspath(model_path)).relative_to(os.path.abspath(base))
             break
         except ValueError:  # not under it
             pass
-    return "_".join(part for part in path.parts if part not in ("/", ".", "..")) or Path(model_path).resolve().name
+    return "_".join(part for part in path.parts if part not in ("/", ".", "..")) or Path(os.path.abspath(model_path)).name
 
 
 def run_eval(config: RecipeConfig) -> dict[str, float]:
@@ -249,7 +250,8 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
     if config.reward.function is None:
         raise ConfigError("reward.function: null, so eval has nothing to score: its accuracy is the mean outcome "
                           "reward")
-    if config.data.answer_key is None and config.reward.function == "agentrl.env.rewards:gsm8k_reward":
+    if config.data.answer_key is None and config.data.source != "arithmetic" and \
+            config.reward.function == "agentrl.env.rewards:gsm8k_reward":  # (arithmetic tasks carry answers)
         raise ConfigError("data.answer_key: null, so eval has nothing to score: reward.function (gsm8k_reward) "
                           "compares each answer with the task's")
     e = config.eval

@@ -150,6 +150,7 @@ class AgentRunner:
         self.agent = agent
         self.engine = engine
         self.renderer = ChatRenderer(tokenizer, tools)  # the training driver takes its tokenizer from here
+        self.renderer.system_prompt = settings.system_prompt  # rendered as the endpoint renders it
         self.tools = tools
         self.settings = settings
         self.reward_fn = reward_fn

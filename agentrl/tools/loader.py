@@ -20,6 +20,7 @@ import typing
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
 
@@ -188,14 +189,21 @@ def async_problem(instance: Any, methods: tuple[str, ...]) -> str | None:
 
 def masked(config: dict[str, Any], hide_all: bool = False) -> dict[str, Any]:
     """The config as an error message may show it: secrets (a server's token, the values of its
-    `env` and `headers`) replaced by '***', in nested mappings too."""
+    `env` and `headers`) replaced by '***', in nested mappings too, and a `url` without its
+    password and query string."""
     def shown(key: Any, value: Any) -> Any:
         if isinstance(value, dict):
             return masked(value, hide_all or key in _HIDDEN_MAPS)
         secret = hide_all or (_SECRET_RE.search(str(key)) and key != "token_env")
-        return "***" if secret else value
+        return "***" if secret else url_shown(value) if key == "url" and isinstance(value, str) else value
 
     return {key: shown(key, value) for key, value in config.items()}
+
+
+def url_shown(url: str) -> str:
+    """A URL as messages show it: without a password or query string, where tokens travel."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", ""))
 
 
 def _check_tool(instance: Any, ref: str) -> None:

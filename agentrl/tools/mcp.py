@@ -41,10 +41,10 @@ import shlex
 import sys
 import time
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from agentrl.tools.background_loop import BackgroundLoop
 from agentrl.tools.base import Tool, ToolResult
+from agentrl.tools.loader import url_shown
 
 # Maps keyed by property (or definition) name, whose keys are never annotations: a property called
 # "title" stays. dependentRequired's values are name lists, which the walk leaves as they are.
@@ -52,6 +52,7 @@ _NAMED_SCHEMAS = {"properties", "patternProperties", "$defs", "definitions", "de
                   "dependencies"}
 _DATA = {"default", "enum", "const", "examples"}  # values, not schemas: left as they are
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0
 
 
@@ -73,7 +74,7 @@ class MCPTools:
             raise ValueError("'env' sets a stdio server's environment; an HTTP server ('url') takes 'headers'")
         if command is not None and headers is not None:
             raise ValueError("'headers' go with an HTTP server ('url'); a stdio server ('command') takes 'env'")
-        self.label = _url_label(url) if url is not None else command if isinstance(command, str) else shlex.join(command)
+        self.label = url_shown(url) if url is not None else command if isinstance(command, str) else shlex.join(command)
         self.timeout_s, self.connect_timeout_s, self.reconnect = timeout_s, connect_timeout_s, reconnect
         if url is not None:
             self._server: Any = (url, _expanded(headers, "headers"))
@@ -83,9 +84,9 @@ class MCPTools:
         self._holder: asyncio.Task[None] | None = None
         self._failure = "not connected yet"
         self._backoff_s, self._next_attempt = FIRST_BACKOFF_S, 0.0
-        self._reconnecting = asyncio.Lock()  # binds to the background loop, where it is first awaited
+        self._attempt: asyncio.Task[Any] | None = None  # the reconnection under way, shared by every call
         self._loop = BackgroundLoop("agentrl-mcp")
-        self._loop.on_close(self._end_session)
+        self._loop.on_close(lambda: self._end_session())
         try:
             self._loop.run_sync(self._connect(), connect_timeout_s + 5)
             offered = self._loop.run_sync(self._list_tools(), connect_timeout_s)
@@ -120,6 +121,7 @@ class MCPTools:
         except BaseException:
             holder.cancel()
             raise
+        self._failure = "not connected yet"
 
     async def _hold(self, ready: asyncio.Future[None], stop: asyncio.Event) -> None:
         """Owns one session: enters it, waits for its stop, exits it, all in this one task."""
@@ -147,10 +149,14 @@ class MCPTools:
                     self._failure = "the session ended"
 
     async def _transport(self, stack: Any) -> Any:
-        """What `Client` connects to: the stdio parameters, the URL, or (with headers) an HTTP
+        """What `Client` connects to: a stdio transport, the URL, or (with headers) an HTTP
         transport on a client that sends them."""
         if not isinstance(self._server, tuple):
-            return self._server
+            from mcp.client.stdio import stdio_client
+
+            # The server's stderr goes to the process's own. The SDK's default is whatever
+            # sys.stderr was when it was imported, a stream that may be closed since (a capture).
+            return stdio_client(self._server, errlog=sys.__stderr__ or sys.stderr)
         url, headers = self._server
         if not headers:
             return url
@@ -161,11 +167,16 @@ class MCPTools:
             headers=headers, timeout=httpx2.Timeout(self.connect_timeout_s, read=max(300.0, self.timeout_s))))
         return streamable_http_client(url, http_client=http)
 
-    async def _end_session(self) -> None:
-        holder = self._holder
-        if holder is not None:
-            self._stop.set()
-            await asyncio.wait({holder}, timeout=10)
+    def _end_session(self) -> Any:
+        """A coroutine that ends the session open now (not whichever is open when it runs)."""
+        holder, stop = self._holder, getattr(self, "_stop", None)
+
+        async def end() -> None:
+            if holder is not None and stop is not None:
+                stop.set()
+                await asyncio.wait({holder}, timeout=10)
+
+        return end()
 
     async def _list_tools(self) -> dict[str, dict[str, Any]]:
         schemas, cursor = {}, None
@@ -182,7 +193,6 @@ class MCPTools:
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> str:
         from mcp import MCPError
-        from mcp.types import CONNECTION_CLOSED
 
         client = self._client
         if client is None:
@@ -190,11 +200,11 @@ class MCPTools:
         try:
             result = await client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s)
         except MCPError as e:  # the server exited (or dropped the session): say which one
-            if e.code != CONNECTION_CLOSED:
+            if not _session_gone(e):
                 raise
             if self._client is client:  # the first call to see it ends the session; the next reconnects
                 self._client, self._failure = None, "it closed the connection"
-                await self._end_session()
+                self._ending = asyncio.create_task(self._end_session())  # in the background: this call answers now
             raise MCPToolError(f"the MCP server {self.label} closed the connection: it exited or dropped the session"
                                + ("; the next call reconnects" if self.reconnect else ", and it is not restarted")
                                ) from None
@@ -208,31 +218,40 @@ class MCPTools:
         return text
 
     async def _reconnected(self) -> Any:
-        """A new session for a call that found none, or MCPToolError saying why there is none."""
+        """A new session for a call that found none, or MCPToolError saying why there is none. One
+        attempt at a time, shared: a call cancelled by its own timeout leaves the attempt running
+        (shielded) for the calls after it, and its failure still sets the backoff."""
         if not self.reconnect:
             raise MCPToolError(f"the MCP server {self.label} is not connected ({self._failure})")
-        async with self._reconnecting:  # concurrent calls wait for one attempt
-            if self._client is not None:
-                return self._client
+        if self._attempt is None:
             wait_s = self._next_attempt - time.monotonic()
             if wait_s > 0:
                 raise MCPToolError(f"the MCP server {self.label} is not connected ({self._failure}); "
                                    f"the next attempt to reconnect is in {wait_s:.0f} s")
-            cause = self._failure
+            self._attempt = asyncio.create_task(self._reconnect())
+            # read, so an attempt whose callers all gave up logs no "exception was never retrieved"
+            self._attempt.add_done_callback(lambda task: task.cancelled() or task.exception())
+        return await asyncio.shield(self._attempt)
+
+    async def _reconnect(self) -> Any:
+        cause = self._failure
+        try:
             await self._end_session()
             try:
-                await asyncio.wait_for(self._connect(), self.connect_timeout_s + 5)
+                await asyncio.wait_for(self._connect(), self.connect_timeout_s)
             except Exception as e:
-                self._failure = _describe(e) if not isinstance(e, asyncio.TimeoutError) else (
-                    f"no session within {self.connect_timeout_s:g} s")
+                self._failure = (f"no session within {self.connect_timeout_s:g} s"
+                                 if isinstance(e, asyncio.TimeoutError) else _describe(e))
                 self._next_attempt = time.monotonic() + self._backoff_s
                 self._backoff_s = min(2 * self._backoff_s, MAX_BACKOFF_S)
                 raise MCPToolError(f"the MCP server {self.label} is not connected ({cause}), and reconnecting failed "
                                    f"({self._failure}); the next attempt is in {self._next_attempt - time.monotonic():.0f} s"
                                    ) from None
-            print(f"agentrl: warning: reconnected to the MCP server {self.label} ({cause}); a restarted server has "
-                  "lost any state it kept", file=sys.stderr)
-            return self._client
+        finally:
+            self._attempt = None
+        print(f"agentrl: warning: reconnected to the MCP server {self.label} ({cause}); a restarted server has "
+              "lost any state it kept", file=sys.stderr)
+        return self._client
 
 
 class MCPTool:
@@ -286,13 +305,6 @@ def _expanded(values: dict[str, str] | None, key: str) -> dict[str, str] | None:
     return {name: _VARIABLE.sub(lambda m, name=name: value_of(m, name), value) for name, value in values.items()}
 
 
-def _url_label(url: str) -> str:
-    """The URL as messages show it: without a password or query string, where tokens travel."""
-    parts = urlsplit(url)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
 def _stdio(command: list[str] | str | None, env: dict[str, str] | None, cwd: str | None) -> Any:
     from mcp import StdioServerParameters
 
@@ -323,8 +335,17 @@ def _without_titles(schema: Any) -> Any:
     return out
 
 
+def _session_gone(error: Any) -> bool:
+    """Whether an MCPError says the session is over: the connection closed (a stdio server that
+    exited), or a server that no longer knows the session (an HTTP server restarted: 404)."""
+    from mcp.types import CONNECTION_CLOSED, INVALID_REQUEST
+
+    return error.code == CONNECTION_CLOSED or (error.code == INVALID_REQUEST and "session" in str(error).lower())
+
+
 def _describe(error: BaseException) -> str:
-    """One line for an error, looking inside the exception groups anyio raises."""
+    """One line for an error, looking inside the exception groups anyio raises; URLs in it keep no
+    password or query string (where tokens travel), as the server's label keeps none."""
     while getattr(error, "exceptions", None):  # BaseExceptionGroup, without needing Python 3.11
         error = error.exceptions[0]
-    return f"{type(error).__name__}: {error}"
+    return _URL.sub(lambda m: url_shown(m.group(0)), f"{type(error).__name__}: {error}")
