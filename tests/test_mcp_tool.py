@@ -139,6 +139,14 @@ def stop(server: subprocess.Popen) -> None:
     server.wait(10)
 
 
+def six_times_seven(multiply: MCPTool) -> str:
+    """The tool's answer under an event loop of its own, or the MCPToolError it raised, as text."""
+    try:
+        return asyncio.run(multiply.execute("e/multiply", {"a": 6, "b": 7})).text
+    except MCPToolError as e:
+        return f"MCPToolError: {e}"
+
+
 def test_tools_from_an_mcp_server_over_http_with_headers_from_the_environment(monkeypatch):
     port = free_port()
     server = http_server(port)
@@ -188,24 +196,18 @@ def test_a_restarted_http_server_is_reconnected_and_a_down_one_is_retried_with_b
     (multiply,) = source.tools()
     label = f"http://127.0.0.1:{port}/mcp"
 
-    def run() -> str:
-        try:
-            return asyncio.run(multiply.execute("e/multiply", {"a": 6, "b": 7})).text
-        except MCPToolError as e:
-            return f"MCPToolError: {e}"
-
     try:
-        assert run() == "42"
+        assert six_times_seven(multiply) == "42"
         stop(server)
-        gone = run()  # the call in flight, or the first attempt to reconnect, fails and names the server
+        gone = six_times_seven(multiply)  # the call in flight, or the first attempt to reconnect, fails and names the server
         assert gone.startswith(f"MCPToolError: the MCP server {label} ")
         if "reconnecting failed" not in gone:  # the session's end was seen first: this call reconnects at once
-            gone = run()
+            gone = six_times_seven(multiply)
         assert "reconnecting failed (ConnectError" in gone and gone.endswith("the next attempt is in 1 s")
-        assert run().endswith("; the next attempt to reconnect is in 1 s")  # no attempt inside the backoff
+        assert six_times_seven(multiply).endswith("; the next attempt to reconnect is in 1 s")  # no attempt inside the backoff
         server = http_server(port)
         time.sleep(1.1)
-        assert run() == "42"
+        assert six_times_seven(multiply) == "42"
         assert f"agentrl: warning: reconnected to the MCP server {label}" in capfd.readouterr().err
     finally:
         source.close()
@@ -245,19 +247,13 @@ def test_a_server_that_restarted_between_calls_and_forgot_the_session_is_reconne
     source = MCPTools(allow=["multiply"], url=f"http://127.0.0.1:{port}/mcp", timeout_s=10)
     (multiply,) = source.tools()
 
-    def run() -> str:
-        try:
-            return asyncio.run(multiply.execute("e/multiply", {"a": 6, "b": 7})).text
-        except MCPToolError as e:
-            return f"MCPToolError: {e}"
-
     try:
-        assert run() == "42"
+        assert six_times_seven(multiply) == "42"
         stop(server)
         server = http_server(port)
-        assert run() == (f"MCPToolError: the MCP server http://127.0.0.1:{port}/mcp closed the connection: it exited "
+        assert six_times_seven(multiply) == (f"MCPToolError: the MCP server http://127.0.0.1:{port}/mcp closed the connection: it exited "
                          "or dropped the session; the next call reconnects")
-        assert run() == "42"
+        assert six_times_seven(multiply) == "42"
         assert "agentrl: warning: reconnected to the MCP server" in capfd.readouterr().err
     finally:
         source.close()
