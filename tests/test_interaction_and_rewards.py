@@ -378,3 +378,28 @@ def test_a_tools_own_timeout_error_keeps_its_message_and_is_not_counted_as_a_tim
     traj = asyncio.run(runner.run(TASK, "g"))
     assert traj.messages[2]["content"] == "Error: fetch failed: TimeoutError: upstream 504"
     assert traj.metrics["tool_timeouts"] == 0 and traj.metrics["tool_errors"] == 1
+
+
+def test_a_slow_interaction_constructor_is_named_once(tokenizer, capsys, monkeypatch):
+    """The constructor runs on the event loop for every episode: loading a judge there stalls them
+    all. The run goes on; one warning says what to move where."""
+    import time
+
+    from agentrl.tools import threads
+
+    monkeypatch.setattr(threads, "BLOCK_WARN_S", 0.05)
+    monkeypatch.setattr(threads, "_blockers_named", set())
+
+    class SlowJudge(GSM8KInteraction):
+        def __init__(self):
+            time.sleep(0.1)  # a model loaded per episode
+            super().__init__(max_attempts=1)
+
+    for _ in range(2):
+        runner = EpisodeRunner(ScriptedEngine(tokenizer, ["It is 72."]), tokenizer, [], parse_hermes,
+                               EpisodeSettings(), interaction_factory=SlowJudge, reward_fn=gsm8k_reward)
+        assert asyncio.run(runner.run(TASK, group_id="g")).reward == 1.0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("agentrl: warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "agentrl: warning: the interaction's constructor held the event loop for 0.1 s without yielding")
+    assert "do per-episode set-up in `async def start`" in warnings[0]

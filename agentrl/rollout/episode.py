@@ -30,7 +30,7 @@ from agentrl.rollout.engine import Engine
 from agentrl.tools.base import REWARD_LIMIT, Tool, finite_number
 from agentrl.tools.loader import close_tools
 from agentrl.tools.parsers import ParsedTurn
-from agentrl.tools.threads import CallTimeout, PluginError, call_plugin, failure_text
+from agentrl.tools.threads import CallTimeout, PluginError, call_plugin, failure_text, warn_if_blocking
 from agentrl.types import SamplingParams, Task, Trajectory
 from agentrl.yaml_files import one_line
 
@@ -154,10 +154,15 @@ class EpisodeRunner:
 
     def _new_interaction(self) -> Interaction:
         """This episode's instance; a constructor that fails (or calls sys.exit()) fails the episode."""
+        started = time.perf_counter()
         try:
             return self.interaction_factory()
         except (Exception, SystemExit) as e:
             raise InteractionError(f"the interaction's constructor raised {failure_text(e)}") from e
+        finally:  # it runs on the event loop, once per episode
+            warn_if_blocking("the interaction's constructor", time.perf_counter() - started,
+                             "build what is slow (a judge's model or client) once, outside the constructor, and "
+                             "let each instance use it; do per-episode set-up in `async def start`")
 
     async def _interaction_call(self, coro: Coroutine[Any, Any, T]) -> T:
         """One call into the interaction through `call_plugin`: a `sys.exit()` in it, or a judge that

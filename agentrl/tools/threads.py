@@ -279,12 +279,16 @@ class _Stepwise:
                 value, error = None, e
 
     def _check(self, held_s: float) -> None:
-        if held_s > BLOCK_WARN_S and self.name not in _blockers_named:
-            _blockers_named.add(self.name)
-            print(f"agentrl: warning: {self.name} held the event loop for {held_s:.1f} s without yielding: every "
-                  "episode waited and no timeout could fire meanwhile; run blocking code with `await "
-                  "asyncio.to_thread(...)`, or write the function without async (it then runs on a thread)",
-                  file=sys.stderr)
+        warn_if_blocking(self.name, held_s, "run blocking code with `await asyncio.to_thread(...)`, or write the "
+                                            "function without async (it then runs on a thread)")
+
+
+def warn_if_blocking(name: str, held_s: float, advice: str) -> None:
+    """One warning per plug-in `name` that held the event loop past BLOCK_WARN_S."""
+    if held_s > BLOCK_WARN_S and name not in _blockers_named:
+        _blockers_named.add(name)
+        print(f"agentrl: warning: {name} held the event loop for {held_s:.1f} s without yielding: every episode "
+              f"waited and no timeout could fire meanwhile; {advice}", file=sys.stderr)
 
 
 async def _contained(coro: Coroutine[Any, Any, T] | _Stepwise) -> T:
