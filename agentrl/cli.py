@@ -136,15 +136,22 @@ def _add_inspection_commands(commands: argparse._SubParsersAction) -> None:
 def _tools_serve(args: argparse.Namespace) -> int:
     import os
 
+    import math
+
+    from agentrl.tools.remote import token_problem
+
     token = args.token or os.environ.get("AGENTRL_TOOL_TOKEN")
     if not token:
         raise ConfigError("tools serve needs a bearer token: pass --token or set AGENTRL_TOOL_TOKEN")
+    problem = token_problem(token)
+    if problem:  # no client could send it: every request would get 401
+        raise ConfigError(f"{'--token' if args.token else 'AGENTRL_TOOL_TOKEN'}: {problem}")
     limits = {"--max-concurrency": args.max_concurrency, "--max-body-bytes": args.max_body_bytes,
               "--max-instances": args.max_instances, "--instance-ttl": args.instance_ttl,
-              "--call-timeout": args.call_timeout}
+              "--call-timeout": args.call_timeout, "--max-output-chars": args.max_output_chars}
     for option, value in limits.items():
-        if value <= 0:
-            raise ConfigError(f"{option} must be positive, got {value}")
+        if not (math.isfinite(value) and value > 0):  # nan passed `value <= 0`
+            raise ConfigError(f"{option} must be a positive number, got {value}")
     from agentrl.tools.server import ServerSettings, serve
 
     serve(args.file, args.host, args.port, ServerSettings(token, *limits.values()))
@@ -183,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body")
     serve.add_argument("--max-instances", type=int, default=4096, help="live tool instances at most")
     serve.add_argument("--instance-ttl", type=float, default=600.0, help="seconds before an unused instance is released")
-    serve.add_argument("--call-timeout", type=float, default=60.0, help="seconds a tool call may take")
+    serve.add_argument("--call-timeout", type=float, default=60.0,
+                       help="seconds a tool call may take, waiting for a slot included")
+    serve.add_argument("--max-output-chars", type=int, default=1_000_000,
+                       help="characters of a tool's output sent back; the rest is cut with a marker")
     serve.set_defaults(func=_tools_serve)
     return parser
 

@@ -1,5 +1,5 @@
-"""Tools the tool-server tests serve: one that always fails, one that takes its time, and one whose
-instances take their time to create."""
+"""Tools the tool-server tests serve: one that always fails, one that takes its time, one whose
+instances take their time to create, one that counts its runs, and one that talks at length."""
 
 from __future__ import annotations
 
@@ -27,6 +27,26 @@ async def nap(seconds: float) -> str:
     """
     await asyncio.sleep(seconds)
     return f"slept {seconds:g} s"
+
+
+_tallied: list[int] = []  # per server process
+
+
+@tool
+def tally() -> str:
+    """Counts how many times it has run in this server process."""
+    _tallied.append(1)
+    return str(len(_tallied))
+
+
+@tool
+def ramble(characters: int) -> str:
+    """Writes a long text.
+
+    Args:
+        characters: How long.
+    """
+    return "x" * characters
 
 
 class SlowStart:

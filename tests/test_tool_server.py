@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import socket
 import struct
@@ -195,7 +196,7 @@ def test_episode_through_the_remote_tools(server, tmp_path, monkeypatch, tokeniz
 
 def test_limits_on_instances_concurrency_and_call_time(tmp_path):
     proc, url = start_server(tmp_path, "--max-instances", "2", "--instance-ttl", "2", "--max-concurrency", "1",
-                             "--call-timeout", "1")
+                             "--call-timeout", "2")
     try:
         client = api(url)
         first, second = [client.post("/instances", json={"tool": "nap"}).json()["instance_id"] for _ in range(2)]
@@ -212,7 +213,7 @@ def test_limits_on_instances_concurrency_and_call_time(tmp_path):
         assert asyncio.run(two_naps()) == ["slept 0.5 s", "slept 0.5 s"]
         assert time.perf_counter() - started >= 1.0  # one at a time
         slow = client.post(f"/instances/{first}/execute", json={"arguments": {"seconds": 5}}).json()
-        assert slow["error"] == "TimeoutError: nap did not finish within 1 s"
+        assert slow["error"] == "TimeoutError: nap did not finish within 2 s"
         assert client.get("/stats").json()["abandoned_calls"] == 0  # the nap ended when cancelled
         deadline = time.monotonic() + 10  # unused for the 2 s TTL: both are released by the server
         while client.get("/stats").json()["live_instances"] and time.monotonic() < deadline:
@@ -595,3 +596,66 @@ def test_arguments_a_broken_schema_cannot_check_get_422_not_a_crash():
         "the arguments for lookup cannot be checked, its parameters schema is broken (_WrappedReferencingError: "
         "PointerToNowhere: '/$defs/missing' does not exist within "
         "{'type': 'object', 'properties': {'key': {'$ref': '#/$defs/missing'}}}).")})
+
+
+def test_a_busy_instance_outlives_its_ttl_and_a_call_waits_for_its_slot_within_its_timeout(tmp_path):
+    """The TTL released an instance while a call was running on it (the call then failed with a
+    KeyError); the wait for a call slot had no limit; and a call whose client had given up while it
+    waited still ran, its side effects happening for an answer nobody read."""
+    tools = ("tools:\n  - class: tests.served_tools:nap\n  - class: tests.served_tools:tally\n"
+             "  - class: tests.served_tools:ramble\n")
+    proc, url = start_server(tmp_path, "--instance-ttl", "1", "--max-concurrency", "1", "--call-timeout", "4",
+                             "--max-output-chars", "100", tools_yaml=tools)
+    try:
+        client = api(url)
+
+        def create(tool: str) -> str:
+            return client.post("/instances", json={"tool": tool}).json()["instance_id"]
+
+        def execute(instance: str, **arguments) -> dict:
+            return client.post(f"/instances/{instance}/execute", json={"arguments": arguments}).json()
+
+        napper = create("nap")
+        assert execute(napper, seconds=2.5)["text"] == "slept 2.5 s"  # past the 1 s TTL, while busy
+        assert execute(napper, seconds=0)["text"] == "slept 0 s"  # still live
+
+        async def contended() -> tuple[dict, dict]:
+            first, waiting, tallier = create("nap"), create("nap"), create("tally")
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+                holder = asyncio.create_task(c.post(f"/instances/{first}/execute", json={"arguments": {"seconds": 2}}))
+                await asyncio.sleep(0.2)
+                with pytest.raises(httpx.ReadTimeout):  # gives up while queued for the one slot
+                    await c.post(f"/instances/{tallier}/execute", json={"arguments": {}}, timeout=0.5)
+                queued = await c.post(f"/instances/{waiting}/execute", json={"arguments": {"seconds": 3}})
+                return (await holder).json(), queued.json()
+
+        held, queued = asyncio.run(contended())
+        assert held["text"] == "slept 2 s"
+        waited = re.fullmatch(r"TimeoutError: nap did not finish within 4 s \((\d\.\d) s of it waiting for a call "
+                              r"slot\)", queued["error"])
+        assert waited and float(waited.group(1)) >= 1.0, queued  # queued from ~0.7 s until the first nap ended at 2 s
+        assert execute(create("tally"))["text"] == "1"  # the abandoned call never ran
+        assert execute(create("ramble"), characters=10_000)["text"] == (
+            "x" * 100 + "\n[output cut to 100 characters by the tool server]")
+    finally:
+        stop(proc)
+
+
+def test_a_token_no_header_can_carry_is_refused_without_showing_it(tmp_path, monkeypatch):
+    """httpx refused the header naming its value, so a secret made from a file (ending in a
+    newline) was printed in the load error; the server accepted it, then answered 401 to all."""
+    monkeypatch.setenv("AGENTRL_TEST_TOKEN", "s3cret-value\n")
+    with pytest.raises(ConfigError) as e:
+        load_tools(remote_file(tmp_path, "http://127.0.0.1:9"))
+    assert "s3cret" not in str(e.value) and str(e.value).endswith(
+        "the variable 'AGENTRL_TEST_TOKEN': the token has a newline at position 13 of 13, which a bearer token "
+        "cannot hold (only printable ASCII; a secret made from a file often ends in a newline)")
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "tools", "serve", str(tmp_path / "none.yaml"),
+                           "--token", "two words", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "agentrl: error: --token: the token has a space at position 4 of 9, which a bearer token cannot hold (only "
+        "printable ASCII; a secret made from a file often ends in a newline)")
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "tools", "serve", str(tmp_path / "none.yaml"),
+                           "--token", "t", "--call-timeout", "nan"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "agentrl: error: --call-timeout must be a positive number, got nan")

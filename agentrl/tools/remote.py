@@ -71,6 +71,9 @@ class RemoteTools:
             token = os.environ.get(token_env)
             if not token:
                 raise ValueError(f"environment variable '{token_env}' (token_env) is not set")
+        problem = token_problem(token)
+        if problem:
+            raise ValueError(f"{'the variable ' + repr(token_env) if token_env else 'token'}: {problem}")
         if retries < 0:
             raise ValueError(f"'retries' must be 0 or more (0: one attempt, no retry), not {retries}")
         if not max_response_mb > 0:
@@ -240,6 +243,17 @@ def _field(reply: dict[str, Any], key: str, kind: type) -> Any:
     if not isinstance(value, kind):
         raise RemoteToolError(f"the server's answer has no {kind.__name__} '{key}': {_start(json.dumps(reply))}")
     return value
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be sent as a bearer token, without showing it; None when it can. An HTTP
+    client would refuse the header with its value in the message."""
+    bad = next((i for i, c in enumerate(token) if not "!" <= c <= "~"), None)
+    if bad is None:
+        return None
+    kind = "a newline" if token[bad] in "\r\n" else "a space" if token[bad].isspace() else "a character"
+    return (f"the token has {kind} at position {bad + 1} of {len(token)}, which a bearer token cannot hold "
+            "(only printable ASCII; a secret made from a file often ends in a newline)")
 
 
 def _what(error: Exception) -> str:

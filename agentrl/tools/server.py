@@ -45,7 +45,8 @@ class ServerSettings:
     max_body_bytes: int = 1_000_000
     max_instances: int = 4096  # live instances; creating more answers 429
     instance_ttl_s: float = 600.0  # an instance unused this long is released
-    call_timeout_s: float = 60.0
+    call_timeout_s: float = 60.0  # from the request's arrival: waiting for a slot counts
+    max_output_chars: int = 1_000_000  # of a tool's text; the rest is cut (the client keeps far less)
 
 
 class CreateRequest(BaseModel):
@@ -77,6 +78,7 @@ class Live:
     tool: str
     tool_id: str  # the id the tool's create returned, which its other methods take; clients use theirs
     last_used: float = field(default_factory=time.monotonic)
+    busy: int = 0  # calls running on it: never expired meanwhile
 
 
 class ToolHost:
@@ -91,17 +93,32 @@ class ToolHost:
         self.stats: dict[str, dict[str, OpStats]] = defaultdict(lambda: defaultdict(OpStats))
         self.expired, self.responses = 0, Counter[int]()
 
-    async def call(self, name: str, op: str, start: Callable[[], Awaitable[Any]]) -> tuple[Any, str | None]:
-        """Run one tool method under the gate and the timeout; (value, None) or (None, error)."""
-        async with self.gate:
-            started, limit = time.perf_counter(), self.settings.call_timeout_s
-            try:  # call_plugin: a tool's sys.exit() fails its call, not the server
-                value, error = await call_plugin(start(), limit, f"the tool '{name}' ({op})"), None
+    async def call(self, name: str, op: str, start: Callable[[], Awaitable[Any]],
+                   gone: Callable[[], Awaitable[bool]] | None = None) -> tuple[Any, str | None]:
+        """Run one tool method under the gate and the timeout, which counts the wait for a slot;
+        (value, None) or (None, error). `gone` says whether the client left while the call waited:
+        then it is not run (its side effects would happen for an answer nobody reads)."""
+        started, limit = time.perf_counter(), self.settings.call_timeout_s
+        try:
+            await asyncio.wait_for(self.gate.acquire(), limit)
+        except asyncio.TimeoutError:
+            value, error = None, (f"TimeoutError: {name} did not start within {limit:g} s: all "
+                                  f"{self.settings.max_concurrency} of the server's call slots stayed busy")
+        else:
+            try:
+                waited = time.perf_counter() - started
+                if gone is not None and await gone():
+                    value, error = None, "the client disconnected before the call started; it was not run"
+                else:  # call_plugin: a tool's sys.exit() fails its call, not the server
+                    value, error = await call_plugin(start(), limit - waited, f"the tool '{name}' ({op})"), None
             except CallTimeout:
-                value, error = None, f"TimeoutError: {name} did not finish within {limit:g} s"
+                spent = f" ({waited:.1f} s of it waiting for a call slot)" if waited >= 0.1 else ""
+                value, error = None, f"TimeoutError: {name} did not finish within {limit:g} s{spent}"
             except Exception as e:
                 value, error = None, as_text(failure_text(e))  # JSON cannot carry lone surrogates
-            elapsed = time.perf_counter() - started
+            finally:
+                self.gate.release()
+        elapsed = time.perf_counter() - started
         stats = self.stats[name][op]
         stats.calls, stats.errors = stats.calls + 1, stats.errors + (error is not None)
         stats.total_s, stats.max_s = stats.total_s + elapsed, max(stats.max_s, elapsed)
@@ -140,17 +157,27 @@ class ToolHost:
         live.last_used = time.monotonic()
         return live
 
+    @asynccontextmanager
+    async def using(self, live: Live) -> AsyncIterator[None]:
+        """A call on `live`: it is busy meanwhile, and used when it ends."""
+        live.busy += 1
+        try:
+            yield
+        finally:
+            live.busy -= 1
+            live.last_used = time.monotonic()
+
     async def expire(self) -> None:
-        """Release every instance idle for longer than the TTL."""
+        """Release every instance idle for longer than the TTL (none with a call running)."""
         cutoff = time.monotonic() - self.settings.instance_ttl_s
         for instance_id, live in list(self.instances.items()):
-            if live.last_used < cutoff and self.instances.pop(instance_id, None) is not None:
+            if live.last_used < cutoff and not live.busy and self.instances.pop(instance_id, None) is not None:
                 self.expired += 1
                 await self.call(live.tool, "release", lambda: self.tools[live.tool].release(live.tool_id))
 
     async def sweep_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(self.settings.instance_ttl_s / 2, 30.0))
+            await asyncio.sleep(max(0.5, min(self.settings.instance_ttl_s / 2, 30.0)))
             await self.expire()
 
 
@@ -239,19 +266,21 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         return {"instance_id": instance_id if error is None else None, "error": error}
 
     @app.post("/instances/{instance_id}/execute", dependencies=[auth])
-    async def execute(instance_id: str, body: ExecuteRequest) -> dict[str, Any]:
+    async def execute(instance_id: str, body: ExecuteRequest, request: Request) -> dict[str, Any]:
         live = host.instance(instance_id)
         name = live.tool
         problem = argument_problem(host.tools[name], body.arguments)
         if problem:
             raise HTTPException(422, as_text(problem))
-        result, error = await host.call(name, "execute", lambda: host.tools[name].execute(live.tool_id, body.arguments))
-        live.last_used = time.monotonic()  # a long call does not count as idle time
+        async with host.using(live):  # a long call does not count as idle time
+            result, error = await host.call(name, "execute", lambda: host.tools[name].execute(live.tool_id,
+                                                                                               body.arguments),
+                                            gone=request.is_disconnected)
         if error is not None:
             return {"text": "", "reward": None, "metrics": {}, "error": error}
         if not isinstance(result, ToolResult):
-            result = ToolResult(as_text(result))
-        text = as_text(result.text)  # also escapes lone surrogates, which JSON cannot carry
+            result = ToolResult(result)
+        text = capped_text(result.text, host.settings.max_output_chars)
         # Only finite numbers cross the wire (JSON has no NaN); the client's ToolEnv counts the rest.
         given = result.metrics.items() if isinstance(result.metrics, dict) else ()
         metrics = {as_text(str(k)): n for k, v in given if (n := finite_number(v)) is not None}
@@ -261,7 +290,8 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
     @app.post("/instances/{instance_id}/reward", dependencies=[auth])
     async def reward(instance_id: str) -> dict[str, Any]:
         live = host.instance(instance_id)
-        value, error = await host.call(live.tool, "reward", lambda: host.tools[live.tool].reward(live.tool_id))
+        async with host.using(live):
+            value, error = await host.call(live.tool, "reward", lambda: host.tools[live.tool].reward(live.tool_id))
         return {"reward": finite_number(value, REWARD_LIMIT), "error": error}
 
     @app.delete("/instances/{instance_id}", dependencies=[auth])
@@ -272,6 +302,17 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         live = host.instances.pop(instance_id, None) or host.instance(instance_id)  # 404 if unknown
         _, error = await host.call(live.tool, "release", lambda: host.tools[live.tool].release(live.tool_id))
         return {"error": error}
+
+
+def capped_text(value: Any, max_chars: int) -> str:
+    """A result's text (as_text: also escaping lone surrogates, which JSON cannot carry), cut to
+    `max_chars` before the rest is converted or encoded: a 200 MB output would hold the server's
+    event loop, and every other call, for as long as that takes."""
+    head = value[: max_chars + 1] if isinstance(value, str) else value
+    text = as_text(head)
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars] + f"\n[output cut to {max_chars} characters by the tool server]"
 
 
 async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
