@@ -600,8 +600,9 @@ def test_arguments_a_broken_schema_cannot_check_get_422_not_a_crash():
 
 def test_a_busy_instance_outlives_its_ttl_and_a_call_waits_for_its_slot_within_its_timeout(tmp_path):
     """The TTL released an instance while a call was running on it (the call then failed with a
-    KeyError); the wait for a call slot had no limit; and a call whose client had given up while it
-    waited still ran, its side effects happening for an answer nobody read."""
+    KeyError); the wait for a call slot had no limit; a call whose client had given up while it
+    waited still ran, its side effects happening for an answer nobody read; and one whose client
+    left while it ran held its slot to the end."""
     tools = ("tools:\n  - class: tests.served_tools:nap\n  - class: tests.served_tools:tally\n"
              "  - class: tests.served_tools:ramble\n")
     proc, url = start_server(tmp_path, "--instance-ttl", "1", "--max-concurrency", "1", "--call-timeout", "4",
@@ -637,6 +638,11 @@ def test_a_busy_instance_outlives_its_ttl_and_a_call_waits_for_its_slot_within_i
         assert execute(create("tally"))["text"] == "1"  # the abandoned call never ran
         assert execute(create("ramble"), characters=10_000)["text"] == (
             "x" * 100 + "\n[output cut to 100 characters by the tool server]")
+        with pytest.raises(httpx.ReadTimeout):  # the client leaves during a 3.5 s call holding the one slot
+            client.post(f"/instances/{create('nap')}/execute", json={"arguments": {"seconds": 3.5}}, timeout=0.5)
+        started = time.monotonic()
+        assert execute(create("nap"), seconds=0)["text"] == "slept 0 s"
+        assert time.monotonic() - started < 2.5  # the abandoned call was cancelled, not run to its end
     finally:
         stop(proc)
 

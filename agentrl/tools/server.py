@@ -3,7 +3,8 @@
 FastAPI (run by uvicorn) does the routing and validates every body with pydantic; this module adds
 what a tool server shared by many rollout workers needs: a bearer token on every call but
 `/health`, a semaphore bounding tool calls in flight, a cap on request bodies (uvicorn has none),
-a cap on live instances with expiry of those a client never releases, a per-call timeout, and
+a cap on live instances with expiry of those a client never releases, a per-call timeout (calls
+whose client has left are not started, or are cancelled), and
 per-tool call counts, errors and latencies at `/stats` (`abandoned_calls`: timed-out calls still
 running, their cancellation ignored or their thread busy). A tool that raises or times out answers
 200 with `error` set, so a 5xx always means the server itself failed; a bad request answers 4xx
@@ -36,6 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 from agentrl.tools.threads import CallTimeout, abandoned_calls, call_plugin, failure_text
+
+
+DISCONNECT_POLL_S = 0.25  # how often a running call checks that its client is still there
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class ToolHost:
                 if gone is not None and await gone():
                     value, error = None, "the client disconnected before the call started; it was not run"
                 else:  # call_plugin: a tool's sys.exit() fails its call, not the server
-                    value, error = await call_plugin(start(), limit - waited, f"the tool '{name}' ({op})"), None
+                    value, error = await self._watched(call_plugin(start(), limit - waited, f"the tool '{name}' ({op})"),
+                                                       gone)
             except CallTimeout:
                 spent = f" ({waited:.1f} s of it waiting for a call slot)" if waited >= 0.1 else ""
                 value, error = None, f"TimeoutError: {name} did not finish within {limit:g} s{spent}"
@@ -123,6 +128,25 @@ class ToolHost:
         stats.calls, stats.errors = stats.calls + 1, stats.errors + (error is not None)
         stats.total_s, stats.max_s = stats.total_s + elapsed, max(stats.max_s, elapsed)
         return value, error
+
+    @staticmethod
+    async def _watched(call: Awaitable[Any], gone: Callable[[], Awaitable[bool]] | None) -> tuple[Any, str | None]:
+        """The call's (value, None); with `gone`, it is cancelled once its client has left (a
+        client's own timeout, an episode cancelled), freeing its slot for calls still wanted."""
+        task = asyncio.ensure_future(call)
+        try:
+            while gone is not None:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await gone():
+                    task.cancel()
+                    await asyncio.wait({task})  # call_plugin gives the tool its grace, then abandons it
+                    return None, "the client disconnected during the call; it was cancelled"
+            return await task, None
+        finally:
+            if not task.done():  # this request itself cancelled: the call goes with it
+                task.cancel()
 
     async def create(self, tool: str, kwargs: dict[str, Any], instance_id: str) -> tuple[str, str | None]:
         """Make `instance_id` once: (id, None), or (id, error) if the tool failed or a release came
