@@ -665,3 +665,67 @@ def test_a_token_no_header_can_carry_is_refused_without_showing_it(tmp_path, mon
                            "--token", "t", "--call-timeout", "nan"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip() == (
         "agentrl: error: --call-timeout must be a positive number, got nan")
+
+
+class Track:
+    """Records what the server asks of it; `execute` sleeps as long as it is told."""
+
+    schema = {"type": "function", "function": {"name": "track", "description": "Sleeps.", "parameters": {
+        "type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]}}}
+
+    def __init__(self):
+        self.created: list[str] = []
+        self.released: list[str] = []
+
+    async def create(self, instance_id: str, **kwargs) -> str:
+        self.created.append(instance_id)
+        return instance_id
+
+    async def execute(self, instance_id: str, arguments: dict) -> str:
+        await asyncio.sleep(arguments["seconds"])
+        return "ok"
+
+    async def reward(self, instance_id: str) -> None:
+        return None
+
+    async def release(self, instance_id: str) -> None:
+        self.released.append(instance_id)
+
+
+def test_releases_are_never_dropped_and_creates_that_never_started_are_not_released():
+    """With every call slot busy past the call timeout, a release used to fail "did not start" after
+    its instance had left the server's table, leaking what the tool held; a create that never got a
+    slot was "released" all the same, for an id the tool never made; and a release that came while
+    a call still ran on its instance made that call fail with a KeyError."""
+    track = Track()
+    app = create_app([track], ServerSettings(token=TOKEN, max_concurrency=1, call_timeout_s=1.0))
+
+    async def scenario() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tools",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as c:
+            async def create(name: str) -> dict:
+                return (await c.post("/instances", json={"tool": "track", "instance_id": name})).json()
+
+            def execute(name: str, seconds: float):
+                return c.post(f"/instances/{name}/execute", json={"arguments": {"seconds": seconds}})
+
+            await create("instance-a"), await create("instance-b")
+            await app.state.host.gate.acquire()  # the one call slot held, as a stuck tool holds it
+            starved = await create("instance-c")  # times out waiting for the slot
+            release = asyncio.create_task(c.delete("/instances/instance-b"))  # waits for the slot, however long
+            await asyncio.sleep(1.5)  # past the call timeout
+            app.state.host.gate.release()
+            release_b = await release
+            running = asyncio.create_task(execute("instance-a", 0.3))
+            await asyncio.sleep(0.05)
+            release_a = await c.delete("/instances/instance-a")  # while its call runs
+            return {"starved": starved, "release_b": release_b.json(), "running": (await running).json(),
+                    "release_a": release_a.json()}
+
+    outcome = asyncio.run(scenario())
+    assert outcome["starved"] == {"instance_id": None, "error": "TimeoutError: track did not start within 1 s: all 1 "
+                                                               "of the server's call slots stayed busy"}
+    assert outcome["release_b"] == {"error": None}
+    assert outcome["running"]["text"] == "ok" and outcome["release_a"] == {"error": None}
+    assert track.created == ["instance-a", "instance-b"]  # instance-c never reached the tool
+    assert track.released == ["instance-b", "instance-a"]  # a's once its call had ended

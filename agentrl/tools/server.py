@@ -83,6 +83,7 @@ class Live:
     tool_id: str  # the id the tool's create returned, which its other methods take; clients use theirs
     last_used: float = field(default_factory=time.monotonic)
     busy: int = 0  # calls running on it: never expired meanwhile
+    release_pending: bool = False  # released by a client while busy: the last call to end releases it
 
 
 class ToolHost:
@@ -100,30 +101,48 @@ class ToolHost:
     async def call(self, name: str, op: str, start: Callable[[], Awaitable[Any]],
                    gone: Callable[[], Awaitable[bool]] | None = None) -> tuple[Any, str | None]:
         """Run one tool method under the gate and the timeout, which counts the wait for a slot;
-        (value, None) or (None, error). `gone` says whether the client left while the call waited:
-        then it is not run (its side effects would happen for an answer nobody reads)."""
-        started, limit = time.perf_counter(), self.settings.call_timeout_s
+        (value, None) or (None, error). `gone` says whether the client left: a call is then not
+        started (its side effects would happen for an answer nobody reads), or cancelled."""
+        value, error, _ = await self._call(name, op, start, gone)
+        return value, error
+
+    async def _call(self, name: str, op: str, start: Callable[[], Awaitable[Any]],
+                    gone: Callable[[], Awaitable[bool]] | None = None) -> tuple[Any, str | None, bool]:
+        """`call`, and whether the tool method was started at all. A release waits for its slot
+        without a limit and then has the whole timeout: the instance is gone from the server's
+        table already, and a release given up on would leak what the tool holds."""
+        arrived, limit = time.perf_counter(), self.settings.call_timeout_s
         try:
-            await asyncio.wait_for(self.gate.acquire(), limit)
+            if op == "release":
+                await self.gate.acquire()
+            else:
+                await asyncio.wait_for(self.gate.acquire(), limit)
         except asyncio.TimeoutError:
-            value, error = None, (f"TimeoutError: {name} did not start within {limit:g} s: all "
-                                  f"{self.settings.max_concurrency} of the server's call slots stayed busy")
-        else:
-            try:
-                waited = time.perf_counter() - started
-                if gone is not None and await gone():
-                    value, error = None, "the client disconnected before the call started; it was not run"
-                else:  # call_plugin: a tool's sys.exit() fails its call, not the server
-                    value, error = await self._watched(call_plugin(start(), limit - waited, f"the tool '{name}' ({op})"),
-                                                       gone)
+            return (*self._count(name, op, None, 0.0, f"TimeoutError: {name} did not start within {limit:g} s: all "
+                                 f"{self.settings.max_concurrency} of the server's call slots stayed busy"), False)
+        running = time.perf_counter()
+        waited = 0.0 if op == "release" else running - arrived
+        try:
+            if waited >= limit:
+                return (*self._count(name, op, None, 0.0, f"TimeoutError: {name} did not start within {limit:g} s: "
+                                     "a call slot came free only then"), False)
+            if gone is not None and await gone():
+                return (*self._count(name, op, None, 0.0, "the client disconnected before the call started; it "
+                                     "was not run"), False)
+            try:  # call_plugin: a tool's sys.exit() fails its call, not the server
+                value, error = await self._watched(call_plugin(start(), limit - waited, f"the tool '{name}' ({op})"),
+                                                   gone)
             except CallTimeout:
                 spent = f" ({waited:.1f} s of it waiting for a call slot)" if waited >= 0.1 else ""
                 value, error = None, f"TimeoutError: {name} did not finish within {limit:g} s{spent}"
             except Exception as e:
                 value, error = None, as_text(failure_text(e))  # JSON cannot carry lone surrogates
-            finally:
-                self.gate.release()
-        elapsed = time.perf_counter() - started
+            return (*self._count(name, op, value, time.perf_counter() - running, error), True)
+        finally:
+            self.gate.release()
+
+    def _count(self, name: str, op: str, value: Any, elapsed: float, error: str | None) -> tuple[Any, str | None]:
+        """Record one call in /stats (its time is the tool's, not the wait for a slot)."""
         stats = self.stats[name][op]
         stats.calls, stats.errors = stats.calls + 1, stats.errors + (error is not None)
         stats.total_s, stats.max_s = stats.total_s + elapsed, max(stats.max_s, elapsed)
@@ -145,8 +164,9 @@ class ToolHost:
                     return None, "the client disconnected during the call; it was cancelled"
             return await task, None
         finally:
-            if not task.done():  # this request itself cancelled: the call goes with it
+            if not task.done():  # this request itself cancelled: the call goes with it, before its slot is freed
                 task.cancel()
+                await asyncio.wait({task})
 
     async def create(self, tool: str, kwargs: dict[str, Any], instance_id: str) -> tuple[str, str | None]:
         """Make `instance_id` once: (id, None), or (id, error) if the tool failed or a release came
@@ -163,10 +183,13 @@ class ToolHost:
                 await self.expire()
             if len(self.instances) + len(self.creating) > self.settings.max_instances:
                 raise HTTPException(429, f"{self.settings.max_instances} instances are live; release some first")
-            made, error = await self.call(tool, "create", lambda: self.tools[tool].create(instance_id, **kwargs))
+            made, error, started = await self._call(tool, "create",
+                                                    lambda: self.tools[tool].create(instance_id, **kwargs))
         finally:
             released = self.creating.pop(instance_id)
         tool_id = made if isinstance(made, str) and made else instance_id
+        if not started:  # the tool never saw it: nothing to free
+            return instance_id, error or "released while it was being created"
         if error is not None or released:  # what a failed create made is the tool's to free, as in ToolEnv
             await self.call(tool, "release", lambda: self.tools[tool].release(tool_id))
             error = error or "released while it was being created"
@@ -190,6 +213,9 @@ class ToolHost:
         finally:
             live.busy -= 1
             live.last_used = time.monotonic()
+            if not live.busy and live.release_pending:
+                live.release_pending = False
+                await self.call(live.tool, "release", lambda: self.tools[live.tool].release(live.tool_id))
 
     async def expire(self) -> None:
         """Release every instance idle for longer than the TTL (none with a call running)."""
@@ -324,6 +350,9 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
             host.creating[instance_id] = True
             return {"error": None}
         live = host.instances.pop(instance_id, None) or host.instance(instance_id)  # 404 if unknown
+        if live.busy:  # a call its client gave up on still runs (being cancelled): it releases when it ends
+            live.release_pending = True
+            return {"error": None}
         _, error = await host.call(live.tool, "release", lambda: host.tools[live.tool].release(live.tool_id))
         return {"error": error}
 
@@ -332,7 +361,8 @@ def capped_text(value: Any, max_chars: int) -> str:
     """A result's text (as_text: also escaping lone surrogates, which JSON cannot carry), cut to
     `max_chars` before the rest is converted or encoded: a 200 MB output would hold the server's
     event loop, and every other call, for as long as that takes."""
-    head = value[: max_chars + 1] if isinstance(value, str) else value
+    head = value[: max_chars + 1] if isinstance(value, str) else value[: 4 * (max_chars + 1)] \
+        if isinstance(value, (bytes, bytearray)) else value  # (UTF-8: at most 4 bytes a character)
     text = as_text(head)
     if len(text) <= max_chars:
         return text
