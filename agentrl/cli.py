@@ -134,9 +134,8 @@ def _add_inspection_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _tools_serve(args: argparse.Namespace) -> int:
-    import os
-
     import math
+    import os
 
     from agentrl.tools.remote import token_problem
 

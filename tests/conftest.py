@@ -5,6 +5,9 @@ The tiny model has SmolLM2's vocabulary so every token id in a test is a real on
 
 from __future__ import annotations
 
+import socket
+import subprocess
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -95,3 +98,16 @@ def served(tokenizer):
     yield start
     for server in started:
         server.stop()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """Terminate a server the test started and wait for it."""
+    process.terminate()
+    process.wait(10)

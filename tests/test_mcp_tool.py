@@ -22,7 +22,7 @@ from agentrl.tools.loader import load_tools
 from agentrl.tools.mcp import MCPTool, MCPTools, MCPToolError
 from agentrl.tools.parsers import ParsedTurn, parse_hermes
 from agentrl.types import Completion, SamplingParams, Task, ToolCall
-from tests.conftest import ScriptedEngine
+from tests.conftest import ScriptedEngine, free_port, stop_process
 
 
 def mcp_file(tmp_path: Path, allow: list[str], marker: str) -> Path:
@@ -114,12 +114,6 @@ def test_allow_list_name_the_server_lacks_is_a_config_error(tmp_path):
     assert not server_running(marker)  # the connection opened to check was closed again
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_server(port: int) -> subprocess.Popen:
     """tests/mcp_server.py over Streamable HTTP on 127.0.0.1:port, once it accepts connections."""
     server = subprocess.Popen([sys.executable, "tests/mcp_server.py", "--http", str(port)],
@@ -132,11 +126,6 @@ def http_server(port: int) -> subprocess.Popen:
         time.sleep(0.1)
     server.kill()
     raise RuntimeError(f"the MCP test server did not listen on port {port}")
-
-
-def stop(server: subprocess.Popen) -> None:
-    server.terminate()
-    server.wait(10)
 
 
 def six_times_seven(multiply: MCPTool) -> str:
@@ -163,7 +152,7 @@ def test_tools_from_an_mcp_server_over_http_with_headers_from_the_environment(mo
         assert asyncio.run(plain.tools()[0].execute("e/auth", {})).text == "none"  # no headers: none sent
         plain.close()
     finally:
-        stop(server)
+        stop_process(server)
 
 
 def test_an_unset_variable_or_a_secret_in_the_config_stops_loading_without_showing_the_secret(tmp_path, monkeypatch):
@@ -198,7 +187,7 @@ def test_a_restarted_http_server_is_reconnected_and_a_down_one_is_retried_with_b
 
     try:
         assert six_times_seven(multiply) == "42"
-        stop(server)
+        stop_process(server)
         gone = six_times_seven(multiply)  # the call in flight, or the first attempt to reconnect, fails and names the server
         assert gone.startswith(f"MCPToolError: the MCP server {label} ")
         if "reconnecting failed" not in gone:  # the session's end was seen first: this call reconnects at once
@@ -211,7 +200,7 @@ def test_a_restarted_http_server_is_reconnected_and_a_down_one_is_retried_with_b
         assert f"agentrl: warning: reconnected to the MCP server {label}" in capfd.readouterr().err
     finally:
         source.close()
-        stop(server)
+        stop_process(server)
 
 
 EXITING_SERVER = [sys.executable, "tests/fixtures/mcp_exiting_server.py"]
@@ -249,7 +238,7 @@ def test_a_server_that_restarted_between_calls_and_forgot_the_session_is_reconne
 
     try:
         assert six_times_seven(multiply) == "42"
-        stop(server)
+        stop_process(server)
         server = http_server(port)
         assert six_times_seven(multiply) == (f"MCPToolError: the MCP server http://127.0.0.1:{port}/mcp closed the connection: it exited "
                          "or dropped the session; the next call reconnects")
@@ -257,7 +246,7 @@ def test_a_server_that_restarted_between_calls_and_forgot_the_session_is_reconne
         assert "agentrl: warning: reconnected to the MCP server" in capfd.readouterr().err
     finally:
         source.close()
-        stop(server)
+        stop_process(server)
 
 
 def test_a_reconnection_its_callers_gave_up_on_still_sets_the_backoff():
@@ -279,7 +268,7 @@ def test_a_reconnection_its_callers_gave_up_on_still_sets_the_backoff():
 
     try:
         assert asyncio.run(call(10)) == "42"
-        stop(server)
+        stop_process(server)
         outcomes = [asyncio.run(call(10))]  # the session ends; an attempt is refused at once: backoff 1 s
         if "reconnecting failed" not in outcomes[-1]:
             outcomes.append(asyncio.run(call(10)))

@@ -30,7 +30,7 @@ from agentrl.tools.parsers import ParsedTurn, parse_hermes
 from agentrl.tools.remote import RemoteTool, RemoteToolError, RemoteTools
 from agentrl.tools.server import ServerSettings, create_app
 from agentrl.types import Task, ToolCall
-from tests.conftest import ScriptedEngine
+from tests.conftest import ScriptedEngine, free_port, stop_process
 
 TOKEN = "test-token-5f1c"
 TOOLS_YAML = """\
@@ -40,12 +40,6 @@ tools:
   - class: tests.served_tools:explode
   - class: tests.served_tools:nap
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(tmp_path: Path, *options: str, env_token: str | None = TOKEN,
@@ -71,16 +65,11 @@ def start_server(tmp_path: Path, *options: str, env_token: str | None = TOKEN,
     raise AssertionError(f"server did not start: {proc.communicate()[1]}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
     proc, url = start_server(tmp_path_factory.mktemp("server"))
     yield url
-    stop(proc)
+    stop_process(proc)
 
 
 def remote_file(tmp_path: Path, url: str, **config) -> Path:
@@ -221,7 +210,7 @@ def test_limits_on_instances_concurrency_and_call_time(tmp_path):
         assert client.get("/stats").json()["expired_instances"] == 2
         assert client.post("/instances", json={"tool": "nap"}).status_code == 200
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 SLOW_TOOLS = "tools:\n  - class: tests.served_tools:SlowStart\n  - class: tests.served_tools:nap\n"
@@ -266,7 +255,7 @@ def test_a_create_the_client_gave_up_on_is_released_once_it_exists(tmp_path):
         assert settled(client, 4, 4)["live_instances"] == 0
     finally:
         source.close()
-        stop(proc)
+        stop_process(proc)
 
 
 def test_named_creates_run_once_and_creates_in_flight_count_against_the_cap(tmp_path):
@@ -311,7 +300,7 @@ def test_named_creates_run_once_and_creates_in_flight_count_against_the_cap(tmp_
         source.close()
         assert client.get("/stats").json()["responses"].get("404", 0) == before
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 class FlakyHandler(BaseHTTPRequestHandler):
@@ -644,7 +633,7 @@ def test_a_busy_instance_outlives_its_ttl_and_a_call_waits_for_its_slot_within_i
         assert execute(create("nap"), seconds=0)["text"] == "slept 0 s"
         assert time.monotonic() - started < 2.5  # the abandoned call was cancelled, not run to its end
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def test_a_token_no_header_can_carry_is_refused_without_showing_it(tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ tiny random Llamas (a 512-token vocabulary where no tokenizer is involved)."""
 from __future__ import annotations
 
 import queue
-import socket
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from agentrl.trainer.distributed import Ranks
 from agentrl.trainer.logprobs import padded_micro_batches, token_logprobs
 from agentrl.trainer.packing import PackedRow, enable_packing, pack_cost
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker, batched_logprobs
+from tests.conftest import free_port
 
 PROMPT_TOKENS = 20
 
@@ -79,12 +79,6 @@ def rank_main(rank: int, port: int, results) -> None:
         results.put((rank, repr(error)))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gather(results, processes, timeout_s: float) -> dict:

@@ -81,7 +81,8 @@ class MCPTools:
         else:
             self._server = _stdio(command, _expanded(env, "env"), cwd)
         self._client: Any = None
-        self._holder: asyncio.Task[None] | None = None
+        self._holder: asyncio.Task[None] | None = None  # the task that owns the session, and its stop
+        self._stop: asyncio.Event | None = None
         self._failure = "not connected yet"
         self._backoff_s, self._next_attempt = FIRST_BACKOFF_S, 0.0
         self._attempt: asyncio.Task[Any] | None = None  # the reconnection under way, shared by every call
@@ -169,7 +170,7 @@ class MCPTools:
 
     def _end_session(self) -> Any:
         """A coroutine that ends the session open now (not whichever is open when it runs)."""
-        holder, stop = self._holder, getattr(self, "_stop", None)
+        holder, stop = self._holder, self._stop
 
         async def end() -> None:
             if holder is not None and stop is not None:

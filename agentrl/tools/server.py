@@ -188,8 +188,8 @@ class ToolHost:
         finally:
             released = self.creating.pop(instance_id)
         tool_id = made if isinstance(made, str) and made else instance_id
-        if not started:  # the tool never saw it: nothing to free
-            return instance_id, error or "released while it was being created"
+        if not started:  # the tool never saw it: nothing to free (and `error` says why)
+            return instance_id, error
         if error is not None or released:  # what a failed create made is the tool's to free, as in ToolEnv
             await self.call(tool, "release", lambda: self.tools[tool].release(tool_id))
             error = error or "released while it was being created"
@@ -361,9 +361,11 @@ def capped_text(value: Any, max_chars: int) -> str:
     """A result's text (as_text: also escaping lone surrogates, which JSON cannot carry), cut to
     `max_chars` before the rest is converted or encoded: a 200 MB output would hold the server's
     event loop, and every other call, for as long as that takes."""
-    head = value[: max_chars + 1] if isinstance(value, str) else value[: 4 * (max_chars + 1)] \
-        if isinstance(value, (bytes, bytearray)) else value  # (UTF-8: at most 4 bytes a character)
-    text = as_text(head)
+    if isinstance(value, str):
+        value = value[: max_chars + 1]
+    elif isinstance(value, (bytes, bytearray)):
+        value = value[: 4 * (max_chars + 1)]  # UTF-8: at most 4 bytes a character
+    text = as_text(value)
     if len(text) <= max_chars:
         return text
     return text[:max_chars] + f"\n[output cut to {max_chars} characters by the tool server]"
