@@ -21,9 +21,9 @@ from agentrl.tools.parsers import ParsedTurn, parse_hermes
 from agentrl.tools.server import ServerSettings, create_app
 from agentrl.tools.threads import run_with_daemon_threads
 from agentrl.types import Task, ToolCall
-from tests.conftest import ScriptedEngine
+from tests.conftest import ScriptedEngine, stop_process
 from tests.served_tools import OwnIds
-from tests.test_tool_server import TOKEN, api, start_server, stop
+from tests.test_tool_server import TOKEN, api, start_server
 
 FINAL = "The answer is 42."
 
@@ -203,7 +203,7 @@ def test_the_tool_server_survives_a_tool_calling_sys_exit(tmp_path):
             assert client.get("/health").status_code == 200 and proc.poll() is None
             assert client.get("/stats").json()["tools"]["quit_early"]["execute"]["errors"] == 1
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def test_the_tool_server_hands_a_tool_the_ids_its_create_returned():
