@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import tempfile
 import textwrap
@@ -19,6 +20,7 @@ from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.tools.builtin.python_exec import PythonTool
 from agentrl.tools.loader import load_tools
 from agentrl.tools.parsers import parse_hermes
+from agentrl.tools import sandbox
 from agentrl.tools.sandbox import bwrap_problem
 from agentrl.types import Task
 from tests.conftest import ScriptedEngine
@@ -212,6 +214,122 @@ def test_no_sandbox_mode_does_not_hang_on_a_detached_process():
         assert text.startswith("exit: exit code 0\n") and elapsed < 5
     finally:
         os.kill(detached, 9)
+
+
+@pytest.mark.parametrize("isolation", [pytest.param("bwrap", marks=needs_bwrap), "none"])
+def test_the_program_cannot_reach_its_launcher_to_forge_how_it_ended(isolation):
+    # The launcher runs as the program's user; its status pipe and memory must stay out of reach,
+    # or a program could report "exit code 0" for a run the CPU limit killed.
+    text, metrics, _ = run("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        status_fd = int(open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")[-2])
+        pidfd = os.pidfd_open(os.getppid())
+        print("pidfd_getfd", libc.syscall(438, pidfd, status_fd, 0), os.strerror(ctypes.get_errno()))
+        for path in (f"/proc/{os.getppid()}/fd/{status_fd}", f"/proc/{os.getppid()}/mem"):
+            try:
+                open(path, "r+b")
+            except OSError as e:
+                print(path.split("/")[-2 if path.endswith(str(status_fd)) else -1], e.strerror)
+        print("spinning", flush=True)
+        while True:
+            pass
+        """, isolation=isolation)
+    assert text == ("exit: killed: CPU-time limit of 1 s\n--- stdout ---\npidfd_getfd -1 Operation not permitted\n"
+                    "fd Permission denied\nmem Permission denied\nspinning\n")
+    assert metrics["python_limit_kills"] == 1.0
+
+
+def test_a_program_ignoring_sigxcpu_is_reported_as_stopped_by_the_cpu_limit():
+    # It dies of SIGKILL at the hard limit a second later: the CPU it used says which limit that was.
+    text, metrics, _ = run("""
+        import signal
+        signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+        while True:
+            pass
+        """, isolation="none", timeout_s=5)
+    assert text == "exit: killed: CPU-time limit of 1 s\n(no output)" and metrics["python_limit_kills"] == 1.0
+
+
+@needs_bwrap
+def test_a_nested_user_namespace_is_refused_so_no_tmpfs_outside_disk_mb_can_be_mounted():
+    text, _, _ = run("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))  # CLONE_NEWUSER
+        """)
+    assert text == "exit: exit code 0\n--- stdout ---\n-1 No space left on device\n"
+
+
+def test_a_bubblewrap_that_cannot_run_the_sandbox_falls_back_with_its_reason(monkeypatch, capsys):
+    # Ubuntu 22.04's bubblewrap (0.6) has no --size: the probe runs the real command, so `auto`
+    # falls back instead of failing every call.
+    real = shutil.which("bwrap")
+    if real is None:
+        pytest.skip("bubblewrap is not installed")
+    bin_dir = Path(tempfile.mkdtemp(dir=sandbox.run_root()))  # `nobody` runs it when this is root
+    bin_dir.chmod(0o755)
+    fake = bin_dir / "bwrap"
+    fake.write_text("#!/bin/sh\n"
+                    "for a in \"$@\"; do [ \"$a\" = --size ] && { echo 'bwrap: Unknown option --size' >&2; exit 1; }; done\n"
+                    f"exec {real} \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    bwrap_problem.cache_clear()
+    try:
+        tool = PythonTool(timeout_s=2, cpu_s=1)
+        assert tool.isolation == "none"
+        assert "WITHOUT a sandbox (bubblewrap cannot sandbox here (bwrap: Unknown option --size))" in \
+            capsys.readouterr().err
+        with pytest.raises(ValueError, match=r"isolation: bwrap is unavailable: bubblewrap cannot sandbox here"):
+            PythonTool(isolation="bwrap")
+    finally:
+        monkeypatch.undo()
+        bwrap_problem.cache_clear()
+        shutil.rmtree(bin_dir)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the program runs as nobody only when agentrl runs as root")
+@pytest.mark.parametrize("isolation", [pytest.param("bwrap", marks=needs_bwrap), "none"])
+def test_runs_work_when_the_temporary_directory_is_closed_to_nobody(tmp_path, monkeypatch, isolation):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    sandbox.run_root.cache_clear()
+    try:
+        text, _, _ = run("print('ran')", isolation=isolation)
+        assert text == "exit: exit code 0\n--- stdout ---\nran\n" and list(private.iterdir()) == []
+    finally:
+        monkeypatch.undo()
+        sandbox.run_root.cache_clear()
+
+
+def test_a_run_directory_made_read_only_inside_is_still_removed(tmp_path):
+    # Without root, rmtree cannot empty a directory of mode 0500; run as nobody when this is root.
+    def attempt() -> bool:
+        workdir = Path(tempfile.mkdtemp(prefix="agentrl-python-", dir=sandbox.run_root()))
+        (workdir / "d" / "e").mkdir(parents=True)
+        (workdir / "d" / "e" / "f").write_text("x")
+        (workdir / "d" / "e").chmod(0o500)
+        (workdir / "d").chmod(0o000)
+        os.symlink("/usr", workdir / "link")  # a link is never followed by the chmod
+        sandbox._remove(workdir)
+        return not os.path.lexists(workdir)
+
+    if os.geteuid() != 0:
+        assert attempt()
+        return
+    usr_mode = os.stat("/usr").st_mode
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child only reports through its exit status
+        try:
+            os.setgid(sandbox.NOBODY)
+            os.setuid(sandbox.NOBODY)
+            os._exit(0 if attempt() else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and os.stat("/usr").st_mode == usr_mode
 
 
 def test_bad_configuration_names_the_file_and_value(tmp_path):

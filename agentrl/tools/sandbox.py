@@ -2,14 +2,18 @@
 
 Every run gets its own temporary directory (created before, removed after) and a fresh interpreter
 started through a small launcher that sets the rlimits (CPU seconds, address space, file size,
-process count, no core files) on the program and reports how it ended through a pipe the program
-cannot reach, so "exit code 152" and "killed by SIGXCPU" are never confused. The wall-time and
-output limits are enforced from outside: past either, the whole process group is killed.
+process count, open files, no core files) on the program and reports how it ended, and the CPU time
+it used, through a pipe the program cannot reach (the launcher is not dumpable, so a program of the
+same user can neither take its descriptors nor write its memory), so "exit code 152" and "killed by
+SIGXCPU" are never confused. The wall-time and output limits are enforced from outside: past either,
+the whole process group is killed.
 
 Isolation, chosen once per process by probing what works on the machine:
 
-- `bwrap` (bubblewrap, Debian/Ubuntu package `bubblewrap`): new user, PID, network, IPC and UTS
-  namespaces. The host's `/` is mounted read-only; `/run`, `/tmp`, `/dev/shm` and the run's
+- `bwrap` (bubblewrap 0.8 or later, Debian/Ubuntu package `bubblewrap`; the probe runs the real
+  command on a real program, so an older or setuid bubblewrap falls back to `none`): new user, PID,
+  network, IPC and UTS namespaces, and no further user namespaces inside (a nested one would let the
+  program mount a tmpfs of its own, outside `disk_mb`). The host's `/` is mounted read-only; `/run`, `/tmp`, `/dev/shm` and the run's
   directory (the working directory, holding the program read-only) are private writable tmpfs
   mounts of at most `disk_mb` each. The network namespace has only its own loopback, so nothing
   on the host or beyond is reachable. When agentrl runs as root the sandbox
@@ -22,7 +26,10 @@ Isolation, chosen once per process by probing what works on the machine:
   outlives the call; the rest of its process group is killed. A warning says so when the tool is
   built.
 
-Not isolated in either mode: world-readable host files can be read; Unix sockets outside `/tmp` and
+Not isolated in either mode: world-readable host files can be read; memory is bounded per process
+as address space, so memory no address space holds (memfd files and SysV shared memory, up to
+`file_mb` per file and 256 open files, pipe buffers) is not counted, nor is the sum over processes
+(a cgroup would bound both; none is created); Unix sockets outside `/tmp` and
 `/run` that the sandbox user may write to stay reachable; there is no seccomp filter, so the kernel's
 whole system-call surface is exposed; CPU is bounded in time, not in share. bubblewrap is used
 rather than hand-made `unshare`/mount code because it is a small, audited setuid-free tool that
@@ -35,7 +42,9 @@ import asyncio
 import functools
 import json
 import os
+import re
 import shutil
+import stat
 import signal
 import subprocess
 import tempfile
@@ -49,18 +58,24 @@ SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 # Runs inside the sandbox as `python -I -S -c LAUNCHER limits.json program.py status_fd`: applies the
 # rlimits to a child, execs the program there, and writes the child's raw wait status to the pipe.
+# Not dumpable (PR_SET_DUMPABLE 0, before the fork; exec makes the program dumpable again): the
+# program runs as the same user, and could otherwise write the pipe through /proc or pidfd_getfd, or
+# the launcher's memory, which no rlimit bounds. It reports "STATUS CPU_SECONDS".
 LAUNCHER = """\
-import json, os, resource, sys
+import ctypes, json, os, resource, sys
 limits, program, status_fd = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
 pid = os.fork()
 if pid == 0:
     os.close(status_fd)
     for name, value in limits.items():
         resource.setrlimit(getattr(resource, name), tuple(value))
     os.execv(sys.executable, [sys.executable, "-I", "-B", program])
-_, status = os.waitpid(pid, 0)
-os.write(status_fd, str(status).encode())
+_, status, usage = os.wait4(pid, 0)
+os.write(status_fd, f"{status} {usage.ru_utime + usage.ru_stime:.3f}".encode())
 """
+STATUS = re.compile(rb"(\d{1,5}) (\d{1,9}\.\d{3})")
+OPEN_FILES = 256
 
 
 @dataclass(frozen=True)
@@ -87,21 +102,94 @@ class RunResult:
     wall_s: float
 
 
+BWRAP_VERSION = (0, 8, 0)  # --disable-userns (0.8), --size (0.7)
+
+
 @functools.cache
-def bwrap_problem() -> str | None:
-    """Why bubblewrap cannot sandbox here (None when it can): missing, or namespaces refused."""
+def bwrap_problem(python: str | None = None) -> str | None:
+    """Why bubblewrap cannot sandbox here (None when it can): missing, too old, or the real command
+    (namespaces, mounts, the run directory, `python`) fails on a program that prints one line."""
     binary = shutil.which("bwrap")
     if binary is None:
         return "bubblewrap is not installed (Debian/Ubuntu: apt-get install -y bubblewrap)"
-    probe = [binary, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
-             "--dev", "/dev", "true"]
     try:
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=20, **_user_kwargs())
+        words = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=20).stdout.split()
+        version = tuple(int(part) for part in words[-1].split(".")[:3])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        return f"bubblewrap's version cannot be read ({e})"
+    if version < BWRAP_VERSION:
+        return (f"bubblewrap {'.'.join(map(str, version))} is older than "
+                f"{'.'.join(map(str, BWRAP_VERSION))}, which the sandbox needs (--disable-userns)")
+    python = python or resolve_python("python3")
+    workdir = _new_workdir("print('sandboxed')", "bwrap")
+    status_r, status_w = os.pipe()
+    try:
+        done = subprocess.run(_command("bwrap", python, workdir, Limits(), status_w), capture_output=True,
+                              text=True, timeout=20, pass_fds=(status_w,), stdin=subprocess.DEVNULL, cwd=workdir,
+                              env=_environment(workdir), start_new_session=True, **_user_kwargs())
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"bubblewrap cannot run ({e})"
-    if done.returncode != 0:
-        return f"bubblewrap cannot create namespaces here ({done.stderr.strip() or done.returncode})"
+    finally:
+        os.close(status_w)
+        os.close(status_r)
+        _remove(workdir)
+    if done.returncode != 0 or done.stdout.strip() != "sandboxed":
+        return f"bubblewrap cannot sandbox here ({done.stderr.strip() or f'exit code {done.returncode}'})"
     return None
+
+
+@functools.cache
+def run_root() -> str:
+    """Where run directories are made: the temporary directory, unless agentrl runs as root (the
+    program then runs as `nobody`) and `nobody` cannot reach it, as with a TMPDIR of mode 0700."""
+    base = tempfile.gettempdir()
+    if os.geteuid() != 0:
+        return base
+    for candidate in (base, "/tmp"):
+        path = os.path.realpath(candidate)
+        ancestors = [path, *(str(parent) for parent in Path(path).parents)]
+        if os.path.isdir(path) and all(os.stat(a).st_mode & stat.S_IXOTH for a in ancestors):
+            return path
+    raise ValueError(f"no directory for the program's runs: user nobody cannot enter the temporary directory {base} "
+                     "(TMPDIR) or /tmp")
+
+
+def _new_workdir(code: str, isolation: str) -> Path:
+    """A fresh directory holding the program as main.py, readable by whoever runs it."""
+    workdir = Path(tempfile.mkdtemp(prefix="agentrl-python-", dir=run_root()))
+    try:
+        (workdir / "main.py").write_text(code, encoding="utf-8")
+        os.chmod(workdir / "main.py", 0o644)
+        os.chmod(workdir, 0o755)
+        if isolation != "bwrap" and os.geteuid() == 0:
+            os.chown(workdir, NOBODY, NOBODY)  # without a tmpfs over it, `nobody` writes here itself
+    except BaseException:
+        _remove(workdir)
+        raise
+    return workdir
+
+
+def _remove(workdir: Path) -> None:
+    """Remove a run's directory, also when the program made parts of it unwritable (without root,
+    rmtree cannot empty a directory of mode 0500 or 0000). Each directory is opened as a path
+    (O_PATH: no read permission needed) without following links and changed through its
+    /proc/self/fd entry, so a link the program left cannot turn the chmod onto a file outside."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    if not os.path.lexists(workdir):
+        return
+    for root, dirs, _ in os.walk(workdir):
+        for name in dirs:  # made enterable before os.walk goes into it
+            try:
+                fd = os.open(os.path.join(root, name), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError:  # a link
+                continue
+            try:
+                os.chmod(f"/proc/self/fd/{fd}", 0o700)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def resolve_python(python: str) -> str:
@@ -121,7 +209,8 @@ def _rlimits(limits: Limits, with_nproc: bool) -> dict[str, tuple[int, int]]:
     mb = 1024 * 1024
     cpu = max(1, round(limits.cpu_s))
     values = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (limits.memory_mb * mb,) * 2,
-              "RLIMIT_FSIZE": (limits.file_mb * mb,) * 2, "RLIMIT_CORE": (0, 0)}
+              "RLIMIT_FSIZE": (limits.file_mb * mb,) * 2, "RLIMIT_CORE": (0, 0),
+              "RLIMIT_NOFILE": (OPEN_FILES, OPEN_FILES)}
     if with_nproc:
         values["RLIMIT_NPROC"] = (limits.processes,) * 2
     return values
@@ -137,7 +226,10 @@ def _command(isolation: str, python: str, workdir: Path, limits: Limits, status_
         return launch
     size = str(limits.disk_mb * 1024 * 1024)
     private = [arg for path in ("/run", "/tmp", "/dev/shm", str(workdir)) for arg in ("--size", size, "--tmpfs", path)]
-    return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+    # --as-pid-1: the launcher (not dumpable) is the namespace's first process, not a bwrap reaper
+    # the program could write to; its exit still ends every process the program started.
+    return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1",
+            "--die-with-parent", "--new-session",
             # /dev read-only: bwrap's /dev is a tmpfs the size of half the host's memory, not disk_mb
             "--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc", *private,
             "--ro-bind", program, program, "--chdir", str(workdir), *launch]
@@ -151,14 +243,9 @@ def _environment(workdir: Path) -> dict[str, str]:
 
 async def run_python(code: str, limits: Limits, isolation: str, python: str) -> RunResult:
     """Run `code` as a fresh program under `limits`; the temporary directory is gone on return."""
-    workdir = Path(tempfile.mkdtemp(prefix="agentrl-python-"))
+    workdir = _new_workdir(code, isolation)
     pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, the launcher's status
     try:
-        (workdir / "main.py").write_text(code)
-        os.chmod(workdir / "main.py", 0o644)
-        os.chmod(workdir, 0o755)
-        if isolation != "bwrap" and os.geteuid() == 0:
-            os.chown(workdir, NOBODY, NOBODY)  # without a tmpfs over it, `nobody` writes here itself
         started = time.monotonic()
         (out_r, out_w), (err_r, err_w), (status_r, status_w) = pipes
         proc = await asyncio.create_subprocess_exec(
@@ -168,15 +255,16 @@ async def run_python(code: str, limits: Limits, isolation: str, python: str) -> 
         for fd in (out_w, err_w, status_w):
             os.close(fd)
         pipes = []  # the write ends are closed; _supervise closes the read ends, whatever happens
-        out, err, status, limit = await _supervise(proc, limits, out_r, err_r, status_r)
+        out, err, status, cpu_used, limit = await _supervise(proc, limits, out_r, err_r, status_r)
         wall_s = time.monotonic() - started
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove(workdir)
         for fd in (fd for pair in pipes for fd in pair):
             os.close(fd)
     exit_code = os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
-    if limit is None and sig == signal.SIGXCPU:
+    # SIGXCPU at the soft limit; SIGKILL at the hard one (a second later) for a program ignoring it
+    if limit is None and (sig == signal.SIGXCPU or sig == signal.SIGKILL and cpu_used >= max(1, round(limits.cpu_s))):
         limit = "cpu"
     text_err = _text(err.data)
     if status is None and limit is None:  # the launcher never reported: the sandbox itself failed
@@ -185,7 +273,7 @@ async def run_python(code: str, limits: Limits, isolation: str, python: str) -> 
 
 
 async def _supervise(proc: asyncio.subprocess.Process, limits: Limits, out_r: int, err_r: int,
-                     status_r: int) -> tuple[_Capture, _Capture, int | None, str | None]:
+                     status_r: int) -> tuple[_Capture, _Capture, int | None, float, str | None]:
     """Wait for the launcher's report within the wall time, collecting output up to its cap.
 
     The status pipe reaches end-of-file when the launcher (and bubblewrap) are gone, so the wait
@@ -202,6 +290,8 @@ async def _supervise(proc: asyncio.subprocess.Process, limits: Limits, out_r: in
         await asyncio.wait({status.closed, flooded}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED)
         if not status.closed.done():
             limit = "output" if overflow.is_set() else "wall"
+        else:  # the launcher is gone: bubblewrap's own exit code (why it failed) before the kill replaces it
+            await asyncio.wait({waiter}, timeout=1.0)
         _kill_group(proc.pid)  # also whatever the program left running in its group
         await asyncio.wait({waiter, out.closed, err.closed}, timeout=2.0)  # the last output, the exit
     finally:
@@ -210,8 +300,10 @@ async def _supervise(proc: asyncio.subprocess.Process, limits: Limits, out_r: in
             task.cancel()
         for capture in (out, err, status):
             capture.close()
-    code = bytes(status.data).strip()
-    return out, err, int(code) if code.isdigit() else None, limit
+    report = STATUS.fullmatch(bytes(status.data))
+    if report is None or int(report[1]) > 0xFFFF:
+        return out, err, None, 0.0, limit
+    return out, err, int(report[1]), float(report[2]), limit
 
 
 class _Capture:

@@ -17,7 +17,7 @@ import sys
 from typing import Any, Literal
 
 from agentrl.tools.base import ToolResult
-from agentrl.tools.sandbox import Limits, RunResult, bwrap_problem, resolve_python, run_python
+from agentrl.tools.sandbox import Limits, RunResult, bwrap_problem, resolve_python, run_python, run_root
 
 
 class PythonTool:
@@ -37,7 +37,8 @@ class PythonTool:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{key} must be a positive finite number, got {value}")
         self.python = resolve_python(python)
-        problem = bwrap_problem() if isolation != "none" else "isolation: none was configured"
+        run_root()  # where runs go, or a ValueError now rather than at every call
+        problem = bwrap_problem(self.python) if isolation != "none" else "isolation: none was configured"
         if problem and isolation == "bwrap":
             raise ValueError(f"isolation: bwrap is unavailable: {problem}")
         self.isolation = "none" if problem else "bwrap"
