@@ -15,7 +15,9 @@ import textwrap
 import threading
 import time
 
-from agentrl.tools.threads import DaemonExecutor
+import pytest
+
+from agentrl.tools.threads import DaemonExecutor, run_with_daemon_threads
 
 SCRIPT = textwrap.dedent('''
     import asyncio, json, sys, time
@@ -110,6 +112,24 @@ def test_daemon_executor_bounds_concurrency_and_skips_cancelled_calls():
     assert asyncio.run(main()) == [0, 1, 2]
     time.sleep(0.5)
     assert sorted(started) == [0, 1, 2] and executor.running == 0
+
+
+def test_name_lookups_are_not_queued_behind_hung_plugin_calls():
+    # A plug-in's hung to_thread calls fill the default executor; the loop's getaddrinfo (every
+    # connection to a host name) still answers. A numeric address: no query leaves the machine.
+    release = threading.Event()
+
+    async def main() -> list:
+        for _ in range(2):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(release.wait), 0.05)
+        return await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo("127.0.0.1", 80), 5)
+
+    try:
+        found = run_with_daemon_threads(main(), max_workers=2)
+    finally:
+        release.set()
+    assert {info[4] for info in found} == {("127.0.0.1", 80)}
 
 
 def test_calls_queued_behind_hung_ones_own_no_thread_and_cancelled_ones_never_run():

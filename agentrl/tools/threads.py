@@ -10,7 +10,10 @@ rollout and the exit of the process, although its episode moved on after one tim
 wait in a queue and own no thread. A call that times out is abandoned: its thread keeps its slot
 until the function really returns (so a tool that hangs cannot start an unbounded number of
 threads), nobody waits for it, and the process exits without joining it. A call cancelled before
-it started never runs and is dropped from the queue. This module does not kill threads (Python
+it started never runs and is dropped from the queue. The event loop's own name lookups
+(`loop.getaddrinfo`, which every connection to a host name makes) run on a thread of their own,
+outside that bound: a plug-in whose `to_thread` calls all hung would otherwise stall every client's
+connections too. This module does not kill threads (Python
 cannot); code that must be stopped runs in a subprocess (the `python` tool does).
 
 `call_plugin` is the same rule for a plug-in's coroutines. It also times each stretch a coroutine
@@ -29,6 +32,7 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
+import socket
 import sys
 import threading
 import time
@@ -74,6 +78,11 @@ class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if fn in NAME_LOOKUPS:  # they end by themselves (the resolver's own timeouts)
+            if future.set_running_or_notify_cancel():
+                threading.Thread(target=_settle, args=(future, lambda: fn(*args, **kwargs)),
+                                 name=f"{self.name}-lookup-{next(_names)}", daemon=True).start()
+            return future
         with self._lock:
             # Calls that timed out while queued behind hung ones would otherwise pile up here.
             self._pending = collections.deque(w for w in self._pending if not w[0].cancelled())
@@ -96,17 +105,23 @@ class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
 
     def _work(self) -> None:
         while (work := self._next()) is not None:
-            future, call = work
-            try:
-                result = call()
-            except BaseException as e:  # handed to the caller, like any executor does
-                future.set_exception(e)
-            else:
-                future.set_result(result)
+            _settle(*work)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Returns at once: threads still running are abandoned, by design."""
         return None
+
+
+NAME_LOOKUPS = (socket.getaddrinfo, socket.getnameinfo)
+
+
+def _settle(future: concurrent.futures.Future, call: Callable[[], Any]) -> None:
+    try:
+        result = call()
+    except BaseException as e:  # handed to the caller, like any executor does
+        future.set_exception(e)
+    else:
+        future.set_result(result)
 
 
 def run_with_daemon_threads(coro: Coroutine[Any, Any, T], max_workers: int = 32) -> T:
