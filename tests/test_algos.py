@@ -123,6 +123,18 @@ def test_ppo_clip_asymmetric_and_dual():
     close(loss, torch.tensor((-1.2 + 0.8 + 3.0 - 2.0) / 4))
 
 
+def test_a_ratio_past_floats_range_gives_no_nan_loss_or_gradient():
+    # An old logprob of -100 where the policy now gives ~0: e^100 overflows float32, and token 0's
+    # zero advantage made 0 · inf = NaN. At the limit (e^20) token 0 weighs 0 and token 1 gives -1.
+    new = torch.tensor([[0.0, -0.1]], requires_grad=True)
+    loss, metrics = ppo_policy_loss(new, torch.tensor([[-100.0, -0.1]]), torch.tensor([[0.0, 1.0]]), torch.ones(1, 2))
+    loss.backward()
+    close(loss, torch.tensor(-0.5))
+    assert torch.isfinite(new.grad).all() and metrics["approx_kl"] == pytest.approx(0.5 * 20.0 ** 2 / 2)
+    k3 = kl_estimate(torch.tensor([[-100.0]]), torch.tensor([[0.0]]), "k3")  # log r = 100, taken at 20
+    close(k3, torch.tensor([[math.exp(20.0) - 1.0 - 20.0]]))
+
+
 def test_aggregations():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 7.0, 7.0], [9.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])

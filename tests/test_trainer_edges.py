@@ -5,6 +5,7 @@ tiny random Llamas (a 512-token vocabulary where no tokenizer is involved)."""
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 
@@ -389,6 +390,38 @@ def test_metrics_are_means_over_the_steps_that_ran():
     assert metrics[0]["grad_norm"] == pytest.approx(4.098, abs=1e-3)
     assert metrics[0]["critic_grad_norm"] == pytest.approx(4.429, abs=1e-3)
     assert metrics[1] == metrics[0]
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_clip_fraction_and_approx_kl_do_not_depend_on_the_micro_batches(aggregation):
+    # Old logprobs 0.5 below on each row's first 4 trained tokens: those ratios (e^0.5) are clipped.
+    sequences, masks, advantages = group((12, 40, 8, 25), (1.0, 1.0, 1.0, 1.0))
+    results = []
+    for budget in (64, 100_000):  # a row per micro-batch, then all rows in one
+        policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0, aggregation=aggregation,
+                              micro_batch_tokens=budget)
+        old = [[value - 0.5 * (PROMPT_TOKENS <= t < PROMPT_TOKENS + 4) for t, value in enumerate(row)]
+               for row in policy.logprobs(sequences, masks)]
+        metrics = policy.update(sequences, masks, advantages, old_logprobs=old)
+        results.append((metrics["clip_fraction"], metrics["approx_kl"], metrics["loss"]))
+    # 16 clipped tokens of 12 + 40 + 8 + 25 = 85 trained; approx KL 0.5 · 0.5² on each of the 16
+    assert results[0][0] == pytest.approx(16 / 85) and results[1][0] == pytest.approx(16 / 85)
+    assert results[0][1] == pytest.approx(16 * 0.125 / 85) and results[1][1] == pytest.approx(16 * 0.125 / 85)
+    assert results[0][2] == pytest.approx(results[1][2], rel=1e-5)
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_named(capsys):
+    sequences, masks, advantages = UNEVEN
+    policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0)
+    before = {name: tensor.clone() for name, tensor in policy.model.state_dict().items()}
+    nan_advantages = [[math.nan if m else 0.0 for m in row] for row in masks]  # a NaN that reached the loss
+    metrics = policy.update(sequences, masks, nan_advantages)
+    assert metrics["skipped_step_fraction"] == 1.0 and metrics["grad_norm"] == 0.0
+    assert "agentrl: warning: the policy's gradient norm is nan; this optimizer step is skipped" in capsys.readouterr().err
+    assert all(torch.equal(tensor, policy.model.state_dict()[name]) for name, tensor in before.items())
+    metrics = policy.update(sequences, masks, advantages)  # the next step trains as usual
+    assert metrics["skipped_step_fraction"] == 0.0 and metrics["grad_norm"] > 0
+    assert any(not torch.equal(tensor, policy.model.state_dict()[name]) for name, tensor in before.items())
 
 
 def _scaled_head(model: torch.nn.Module) -> torch.nn.Module:

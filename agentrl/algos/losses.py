@@ -12,6 +12,7 @@ import torch
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
+LOG_RATIO_LIMIT = 20.0  # |log ratio| beyond which the ratio's exp is taken at the limit
 
 
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
@@ -45,7 +46,9 @@ def ppo_policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, ad
     2025, arXiv:2503.14476). Dual clip bounds the loss of negative-advantage tokens by
     -dual_clip * A (Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729).
     """
-    log_ratio_BT = logprobs_BT - old_logprobs_BT
+    # Clamped before exp: past e^88 float32 overflows, and a token with zero advantage (common under
+    # GRPO) would give 0 · inf = NaN; at ±20 the ratio is far outside any clip range either way.
+    log_ratio_BT = torch.clamp(logprobs_BT - old_logprobs_BT, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio_BT = torch.exp(log_ratio_BT)
     unclipped_BT = -advantages_BT * ratio_BT
     clipped_BT = -advantages_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
@@ -72,6 +75,8 @@ def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: 
     k3 = (r - 1) - log r (unbiased, non-negative, low variance).
     """
     log_r_BT = ref_logprobs_BT - logprobs_BT
+    if kind == "k3":  # the exp clamped as the PPO ratio's is (k1 and k2 have no exp to overflow)
+        log_r_BT = torch.clamp(log_r_BT, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if kind == "k1":
         return -log_r_BT
     if kind == "k2":

@@ -22,7 +22,7 @@ from transformers import AutoModel
 from agentrl.algos.losses import value_loss
 from agentrl.errors import ConfigError
 from agentrl.trainer.checkpoint import atomic_directory, full_state_dict, load_sharded, save_sharded
-from agentrl.trainer.distributed import Ranks, full_tensor, shard_model
+from agentrl.trainer.distributed import Ranks, clipped_step, shard_model
 from agentrl.trainer.logprobs import (PaddedBatch, disable_model_dropout, evaluation, mini_batch_schedule, pad_values,
                                       padded_micro_batches)
 
@@ -136,7 +136,7 @@ class CriticWorker:
                old_values: list[list[float]]) -> dict[str, float]:
         """Epochs over mini-batches of the clipped value loss (token mean over each mini-batch, by
         its global token count); the metrics are means over the optimizer steps taken."""
-        totals = {"value_loss": 0.0, "critic_grad_norm": 0.0}
+        totals = {"value_loss": 0.0, "critic_grad_norm": 0.0, "critic_skipped_step_fraction": 0.0}
         passes = 0  # the optimizer steps taken (mini_batch_schedule skips empty mini-batches)
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
             passes += 1
@@ -157,9 +157,9 @@ class CriticWorker:
                                   self.value_clip) * (batch.num_tokens / total)
                 (loss * self.ranks.world_size).backward()  # FSDP averages over ranks
                 totals["value_loss"] += loss.item()
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            totals["critic_grad_norm"] += float(full_tensor(norm))
-            self.optimizer.step()
+            norm, stepped = clipped_step(self.model, self.optimizer, self.grad_clip, self.ranks.rank, "critic's")
+            totals["critic_grad_norm"] += norm if stepped else 0.0
+            totals["critic_skipped_step_fraction"] += 0.0 if stepped else 1.0
         return {key: value / max(passes, 1) for key, value in totals.items()}
 
     def save(self, path: str | Path) -> None:

@@ -15,7 +15,9 @@ This module does not start processes (trainer/launch.py does) and knows nothing 
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Iterator
@@ -117,6 +119,24 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, rank: int,
+                 what: str) -> tuple[float, bool]:
+    """Clip the gradients and step the optimizer: (gradient norm, whether the step was taken).
+
+    A norm that is not finite (a logprob or loss that overflowed somewhere) skips the step with a
+    warning: one such step would turn every weight into NaN, and the run would train on from there.
+    Every rank sees the same full norm, so every rank skips together."""
+    norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
+    if math.isfinite(norm):
+        optimizer.step()
+        return norm, True
+    optimizer.zero_grad(set_to_none=True)
+    if rank == 0:
+        print(f"agentrl: warning: the {what} gradient norm is {norm}; this optimizer step is skipped",
+              file=sys.stderr)
+    return norm, False
 
 
 def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

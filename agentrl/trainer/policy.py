@@ -13,6 +13,7 @@ gradient norm and steps AdamW.
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -20,7 +21,7 @@ import torch
 
 from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
 from agentrl.trainer.checkpoint import load_sharded, save_model, save_sharded
-from agentrl.trainer.distributed import Ranks, buckets, full_tensor, shard_model
+from agentrl.trainer.distributed import Ranks, buckets, clipped_step, shard_model
 from agentrl.trainer.lora import merged_weights
 from agentrl.trainer.logprobs import (attach_token_logprobs, disable_model_dropout, evaluation, mini_batch_schedule,
                                       pad_values, padded_micro_batches, token_logprobs)
@@ -143,7 +144,9 @@ class PolicyWorker:
                 totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0.0) + value
         metrics = {key: value if key.endswith("_max") else value / passes for key, value in totals.items()}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with warnings.catch_warnings():  # the schedule counts RL steps, a skipped optimizer step too
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.scheduler.step()
         return metrics
 
     def _mini_batch(self, mini, sequences, masks, advantages, old_logprobs, ref_logprobs,
@@ -195,10 +198,12 @@ class PolicyWorker:
             (loss * self.ranks.world_size).backward()
             metrics["loss"] += loss.item()
             metrics["entropy"] += (entropy_BT.detach() * batch.mask_BT).sum().item() / tokens
-            metrics["clip_fraction"] += clip_metrics["clip_fraction"] * part
-            metrics["approx_kl"] += clip_metrics["approx_kl"] * part
-        metrics["grad_norm"] = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)))
-        self.optimizer.step()
+            # Token means, as entropy and kl_ref: `part` counts sequences under a seq-mean aggregation,
+            # which would make these depend on how rows fall into micro-batches and ranks.
+            metrics["clip_fraction"] += clip_metrics["clip_fraction"] * batch.num_tokens / tokens
+            metrics["approx_kl"] += clip_metrics["approx_kl"] * batch.num_tokens / tokens
+        norm, stepped = clipped_step(self.model, self.optimizer, self.grad_clip, self.ranks.rank, "policy's")
+        metrics["grad_norm"], metrics["skipped_step_fraction"] = (norm, 0.0) if stepped else (0.0, 1.0)
         return metrics
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
