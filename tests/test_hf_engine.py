@@ -85,6 +85,14 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny_model):
     torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[[0, 1], [1, 2]])
 
 
+def test_a_tiny_positive_temperature_samples_the_most_likely_token_with_logprob_zero():
+    # 5 / 1e-39 overflows float32: the largest logit went to +inf and every logprob to NaN.
+    logits = torch.tensor([[5.0, 3.0, -2.0, 1.0], [0.0, 0.5, 4.0, 3.9]])
+    for temperature in (1e-39, 1e-30):
+        ids, logp = sample_tokens(logits, temperature, 1.0, torch.Generator().manual_seed(0))
+        assert ids.tolist() == [0, 2] and logp.tolist() == [0.0, 0.0]
+
+
 def test_sampling_draws_each_token_with_its_probability():
     """100 000 rows in one call; 0.006 is four standard deviations of the largest frequency."""
     logits = torch.tensor([[0.0, 1.0, 2.0, -1e9]]).expand(100_000, 4)
@@ -430,6 +438,25 @@ def test_results_for_an_event_loop_that_closed_are_dropped_without_an_error(tiny
     assert engine.wait_idle(60)
     assert errors == [] and engine.stats["generated_tokens"] == 160  # both rows ran to their budgets
     assert not any(r.done() for r in requests)  # nobody was told: their loop is gone
+
+
+def test_a_decode_start_left_on_a_loop_that_closed_is_scheduled_again(tiny_model):
+    """The decode thread starts from a callback on the requesting loop; a loop that stopped and
+    closed before running it left the engine believing a thread served, and every later request
+    waited for ever."""
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    loop = asyncio.new_event_loop()
+    orphan = loop.create_task(engine.generate(PROMPTS[0], greedy(3)))
+    orphan._log_destroy_pending = False  # it stays pending with its loop: no "Task was destroyed" line
+    loop.call_soon(loop.stop)
+    loop.run_forever()  # the request is queued; the start callback is behind the stop
+    loop.close()
+
+    async def again():
+        return await asyncio.wait_for(engine.generate(PROMPTS[0], greedy(3)), 60)
+
+    assert len(asyncio.run(again()).token_ids) == 3
+    assert engine.wait_idle(60)
 
 
 def test_the_slot_attention_is_sdpa_outside_mixed_passes_and_is_not_saved(tmp_path):

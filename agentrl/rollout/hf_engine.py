@@ -70,7 +70,7 @@ class HFEngine:
         check_request(self.model, token_ids, sampling)
         loop = asyncio.get_running_loop()
         request = Request(list(token_ids), sampling, loop.create_future())
-        if self._pending.add(request):
+        if self._pending.add(request, loop):
             # Started once this turn of the loop is over, so that the requests its other tasks make
             # meanwhile (a group of episodes starting together) queue first and decode as one batch:
             # how requests batch decides the order they draw from the sampling RNG.
@@ -82,6 +82,7 @@ class HFEngine:
         executor slots, and a decode queued behind them would leave every request waiting. Not a
         daemon: the interpreter waits for it at exit (it stops once no request waits), since a
         process that exits while it is still inside torch can abort in torch's C++ teardown."""
+        self._pending.starting()
         try:
             threading.Thread(target=self._serve, name="agentrl-decode").start()
         except Exception as e:  # no thread: every waiting request fails, and the next one asks again

@@ -66,15 +66,26 @@ class PendingRequests:
     def __init__(self) -> None:
         self._requests: list[Request] = []
         self._lock = threading.Lock()
-        self._serving = False  # a decode thread runs
+        self._serving = False  # a decode thread runs, or its start is scheduled
+        self._start_on: asyncio.AbstractEventLoop | None = None  # the loop a scheduled start waits on
         self._stopped = threading.Condition(self._lock)  # notified when it ends
 
-    def add(self, request: Request) -> bool:
-        """Queue a request; True when no decode thread runs and the caller must start one."""
+    def add(self, request: Request, loop: asyncio.AbstractEventLoop) -> bool:
+        """Queue a request; True when no decode thread runs and the caller must start one on
+        `loop` (and call `starting` then). A start scheduled on a loop that closed before it ran
+        never comes: the next request schedules another."""
         with self._lock:
             self._requests.append(request)
-            start, self._serving = not self._serving, True
+            start = not self._serving or (self._start_on is not None and self._start_on.is_closed())
+            self._serving = True
+            if start:
+                self._start_on = loop
         return start
+
+    def starting(self) -> None:
+        """The decode thread is being started (its start no longer waits on a loop)."""
+        with self._lock:
+            self._start_on = None
 
     def next_key(self) -> tuple | None:
         """The sampling settings of the oldest waiting request; None when none waits, and then the

@@ -24,7 +24,9 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
         logp_BV = torch.log_softmax(logits_BV, dim=-1)
         ids_B = logp_BV.argmax(dim=-1)
     else:
-        logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
+        # Each row's largest logit taken out first (log_softmax does it anyway): a tiny temperature
+        # then sends the others to -inf instead of the largest to +inf, which made every logprob NaN.
+        logp_BV = torch.log_softmax((logits_BV - logits_BV.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
         probs_BV, order_BV = logp_BV.exp(), None
         if top_p < 1.0:
             probs_BV, order_BV = nucleus(probs_BV, top_p)
