@@ -68,7 +68,9 @@ def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, p
     trained = [tr for tr in trajectories if tr.finish != "error"]
     if not trained:  # every episode failed and trainer.max_failed_fraction allowed it: nothing to learn
         times.update(time_logprobs_s=0.0, time_update_s=0.0)
-        return {}
+        # An update of no rows takes no optimizer step but advances the learning-rate schedule,
+        # which counts RL steps (trainer.warmup_steps), and reports the step's learning rate.
+        return policy.update([], [], [], [], [] if reference else None, None)
     sequences, masks = [tr.token_ids for tr in trained], [tr.loss_mask for tr in trained]
     old = None if policy.on_policy else policy.logprobs(sequences, masks)
     ref = reference.logprobs(sequences, masks) if reference else None

@@ -519,6 +519,20 @@ def test_training_goes_on_past_a_few_failed_episodes(tiny_recipe):
     assert any(h["grad_norm"] > 0 for h in history)
 
 
+def test_a_step_where_every_episode_failed_still_advances_the_warm_up(tiny_recipe):
+    # The schedule counts RL steps: step k (from 0) trains at lr · (k + 1) / warmup_steps, whether
+    # or not an earlier step had anything to train.
+    from agentrl.train import train
+
+    recipe = tiny_recipe("""
+        rollout: {group_size: 2, max_turns: 1, max_new_tokens_per_turn: 4}
+        trainer: {steps: 2, tasks_per_step: 1, lr: 1.0e-3, warmup_steps: 4, max_failed_fraction: 1.0}
+    """)
+    history = train(load_recipe(recipe, ["reward.function=raising_rewards:always_broken"]))
+    assert [h["episodes_failed"] for h in history] == [2, 2]
+    assert [h["lr"] for h in history] == pytest.approx([1e-3 / 4, 2e-3 / 4])
+
+
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batches_give_the_gradients_of_one_batch(aggregation):
     """Packing a mini-batch into several micro-batches accumulates exactly the one-batch gradient

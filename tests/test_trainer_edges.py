@@ -424,6 +424,17 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_named(capsys):
     assert any(not torch.equal(tensor, policy.model.state_dict()[name]) for name, tensor in before.items())
 
 
+def test_ranks_metrics_merge_into_the_global_values():
+    from agentrl.trainer.ray_groups import merge_metrics
+
+    # Each rank's loss is its part of the global loss; the norm and a skipped step are the same on
+    # every rank (two ranks that both skipped did not skip twice).
+    ranks = [{"loss": 0.25, "grad_norm": 0.0, "skipped_step_fraction": 1.0, "engine_k3_max": 0.5},
+             {"loss": 0.5, "grad_norm": 0.0, "skipped_step_fraction": 1.0, "engine_k3_max": 0.75}]
+    assert merge_metrics(ranks) == {"loss": 0.75, "grad_norm": 0.0, "skipped_step_fraction": 1.0,
+                                    "engine_k3_max": 0.75}
+
+
 def _scaled_head(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():  # logits of a realistic size (tens), where scaling and capping show
         model.get_output_embeddings().weight.mul_(30)

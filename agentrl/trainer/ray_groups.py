@@ -16,7 +16,8 @@ import ray
 
 from agentrl.errors import RunFailed
 
-RANK_INVARIANT = {"grad_norm", "critic_grad_norm", "lr"}  # equal on every rank: taken from rank 0
+RANK_INVARIANT = {"grad_norm", "critic_grad_norm", "skipped_step_fraction", "critic_skipped_step_fraction",
+                  "lr"}  # equal on every rank: taken from rank 0
 
 
 def merge_rows(results: list[list[Any]]) -> list[Any]:
