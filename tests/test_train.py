@@ -169,7 +169,8 @@ def length_parity(task, messages):
 
 REQUIRED_METRICS = {
     "reward_mean", "reward_std", "accuracy", "tool_call_rate", "parse_error_rate", "mean_turns", "response_tokens",
-    "loss", "clip_fraction", "approx_kl", "kl_ref", "entropy", "grad_norm", "skipped_step_fraction", "lr", "time_rollout_s", "time_logprobs_s",
+    "loss", "clip_fraction", "approx_kl", "kl_ref", "entropy", "grad_norm", "skipped_step_fraction", "lr",
+    "time_rollout_s", "time_logprobs_s",
     "time_update_s", "time_sync_s", "tokens_per_s", "weight_version", "rollout_logprob_diff", "engine_k3_mean",
     "engine_k3_max", "episodes_failed", "mask_coverage", "finish_stop", "finish_length", "tool_truncations",
     "engine_bf16", "trainer_bf16"}

@@ -13,12 +13,13 @@ Isolation, chosen once per process by probing what works on the machine:
 - `bwrap` (bubblewrap 0.8 or later, Debian/Ubuntu package `bubblewrap`; the probe runs the real
   command on a real program, so an older or setuid bubblewrap falls back to `none`): new user, PID,
   network, IPC and UTS namespaces, and no further user namespaces inside (a nested one would let the
-  program mount a tmpfs of its own, outside `disk_mb`). The host's `/` is mounted read-only; `/run`, `/tmp`, `/dev/shm` and the run's
-  directory (the working directory, holding the program read-only) are private writable tmpfs
-  mounts of at most `disk_mb` each. The network namespace has only its own loopback, so nothing
-  on the host or beyond is reachable. When agentrl runs as root the sandbox
-  runs as `nobody`, so the process limit applies (the kernel exempts root from it) and root's files
-  stay unreadable; the PID namespace ends every process the program started when it exits.
+  program mount a tmpfs of its own, outside `disk_mb`). The host's `/` is mounted read-only;
+  `/run`, `/tmp`, `/dev/shm` and the run's directory (the working directory, holding the program
+  read-only) are private writable tmpfs mounts of at most `disk_mb` each. The network namespace
+  has only its own loopback, so nothing on the host or beyond is reachable. When agentrl runs as
+  root the sandbox runs as `nobody`, so the process limit applies (the kernel exempts root from it)
+  and root's files stay unreadable; the PID namespace ends every process the program started when
+  it exits.
 - `none` (no working bubblewrap): the same limits and temporary directory, run as `nobody` when
   agentrl is root, otherwise as the current user (then without a process limit, since the kernel
   counts that limit over all of the user's processes). Files writable by that user, the network
@@ -29,8 +30,8 @@ Isolation, chosen once per process by probing what works on the machine:
 Not isolated in either mode: world-readable host files can be read; memory is bounded per process
 as address space, so memory no address space holds (memfd files and SysV shared memory, up to
 `file_mb` per file and 256 open files, pipe buffers) is not counted, nor is the sum over processes
-(a cgroup would bound both; none is created); Unix sockets outside `/tmp` and
-`/run` that the sandbox user may write to stay reachable; there is no seccomp filter, so the kernel's
+(a cgroup would bound both; none is created); Unix sockets outside `/tmp` and `/run` that the
+sandbox user may write to stay reachable; there is no seccomp filter, so the kernel's
 whole system-call surface is exposed; CPU is bounded in time, not in share. bubblewrap is used
 rather than hand-made `unshare`/mount code because it is a small, audited setuid-free tool that
 does exactly this set-up in one command.
@@ -44,8 +45,8 @@ import json
 import os
 import re
 import shutil
-import stat
 import signal
+import stat
 import subprocess
 import tempfile
 import time
