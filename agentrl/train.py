@@ -48,7 +48,7 @@ def step_record(step: int, trajectories: list[Trajectory], rollout: dict[str, fl
             "response_tokens": rollout["tokens_generated"] / len(trajectories),
             **{k: v for k, v in rollout.items() if k not in ("reward_mean", "wall_s")},
             **update, **times, "weight_version": min(tr.weight_version for tr in trajectories),
-            "synced_version": synced_version, "tokens_per_s": rollout["tokens_generated"] / sum(times.values())}
+            "synced_version": synced_version, "tokens_per_s": rollout["tokens_generated"] / times["time_step_s"]}
 
 
 def masked_mean(rows: list[list[float]], masks: list[list[int]]) -> float:
@@ -116,7 +116,6 @@ def train(config: RecipeConfig) -> list[dict[str, float]]:
     if config.trainer.resume == "auto":
         check_resume(config, latest_checkpoint(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(run_config_yaml(config))
     roles = start_roles(config, tokenizer)
     try:
         history = run_steps(config, roles, pool, run_dir)
@@ -197,11 +196,12 @@ def _dotted(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 STEP_MODEL = re.compile(r"step_\d+")  # a step_N/ model directory (trainer.save_every)
-EARLIER_RUN = ("checkpoints", "trajectories", "metrics.jsonl", "tensorboard", WANDB_RUN_ID, "final", "critic")
+EARLIER_RUN = ("config.yaml", "checkpoints", "trajectories", "metrics.jsonl", "tensorboard", WANDB_RUN_ID, "final",
+               "critic")
 
 
 def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
-    """A run that starts from step 0 in a directory an earlier run used moves that run's
+    """A run that starts from step 0 in a directory an earlier run used moves that run's recipe,
     checkpoints, trajectories, metrics and model directories (step_N/, final/, critic/) into
     previous/ (replacing what an even earlier one left there). Left in place, the earlier run's
     newer checkpoints would outrank this run's (pruning would delete this run's own, and
@@ -248,6 +248,9 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
         print(f"resumed from {checkpoint} after step {done}")
     else:
         set_aside_earlier_run(run_dir, resuming=t.resume == "auto")
+    # Only now: an earlier run's recipe goes to previous/ with its results, and a run that failed to
+    # start leaves the recipe of the results beside it alone.
+    (run_dir / "config.yaml").write_text(run_config_yaml(config))
     # The dtypes `auto` chose (the probe is cached per process; Ray actors probe the same machine).
     dtypes = {"engine_bf16": float(choose_dtype(config.model.dtype, config.engine.device).dtype == "bfloat16"),
               "trainer_bf16": float(choose_dtype(t.dtype, t.device).dtype == "bfloat16")}

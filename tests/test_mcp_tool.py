@@ -365,3 +365,30 @@ def test_a_driver_that_only_checks_the_tool_files_leaves_no_server_running(tmp_p
                          [f"rollout.tool_configs=[{path}]", "model.path=smollm2-135m-instruct"])
     tasks, tokenizer = load_driver_parts(config)
     assert tasks and tokenizer is not None and server_stopped(marker)
+
+
+def test_a_recipe_whose_reward_function_fails_to_load_leaves_no_server_running(tmp_path):
+    from agentrl.recipe import load_recipe
+    from agentrl.rollout.run import load_driver_parts
+
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    config = load_recipe("recipes/quickstart.yaml", [f"rollout.tool_configs=[{mcp_file(tmp_path, ['multiply'], marker)}]",
+                                                     "model.path=smollm2-135m-instruct",
+                                                     "reward.function=no_such_module_here:reward"])
+    with pytest.raises(ConfigError, match="no_such_module_here"):
+        load_driver_parts(config)  # the tools load (the server starts) before the reward function
+    assert server_stopped(marker)
+
+
+def test_roles_that_fail_to_start_close_the_engine_and_the_tools_servers(tmp_path, tiny_model_dir, tokenizer):
+    from agentrl.recipe import load_recipe
+    from agentrl.trainer.roles import LocalRoles
+
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    config = load_recipe("recipes/quickstart.yaml", [f"rollout.tool_configs=[{mcp_file(tmp_path, ['multiply'], marker)}]",
+                                                     f"model.path={tiny_model_dir}", "model.dtype=float32",
+                                                     "trainer.dtype=float32", "model.lora.rank=4",
+                                                     "model.lora.target_modules=[nope_proj]"])
+    with pytest.raises(ConfigError, match="nope_proj"):
+        LocalRoles(config, tokenizer)  # the rollout worker (engine, tools) starts before the policy fails
+    assert server_stopped(marker)

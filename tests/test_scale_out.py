@@ -294,3 +294,14 @@ def test_sigterm_to_the_driver_of_a_ray_run_stops_it_like_ctrl_c(tmp_path, tiny_
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def test_a_recipe_error_found_inside_a_ray_worker_exits_as_a_recipe_error(tmp_path, tiny_model_dir, env):
+    # Found only when the policy builds its adapters: exit 2 naming the key, as on the local backend,
+    # not a worker failure (exit 1).
+    done = subprocess.run(train_command(tiny_model_dir, tmp_path / "run", "trainer.backend=ray", "trainer.steps=1",
+                                        "model.lora.rank=4", "model.lora.target_modules=[nope_proj]"),
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("agentrl: error: policy rank 0: model.lora.target_modules") and "nope_proj" in last

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from agentrl.config import AlgorithmConfig
@@ -199,6 +200,8 @@ def test_train_two_steps_through_the_cli(tmp_path, tiny_model_dir):
         assert row["rollout_logprob_diff"] < 1e-4 and 0 <= row["engine_k3_mean"] <= row["engine_k3_max"] < 1e-8
         assert row["engine_bf16"] == row["trainer_bf16"] == 0.0  # the recipe's float32 is what ran
         assert 0 < row["mask_coverage"] < 1 and row["episodes_failed"] == 0
+        # Per second of the step: the phases add up to time_step_s (they were counted twice)
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_generated"] / row["time_step_s"])
     assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl_ref"] > 1e-6
     assert "train" in done.stdout and f"saved {out / 'final'}" in done.stdout
     # TensorBoard events of the same numbers, readable with tensorboard's own reader.
@@ -289,8 +292,12 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_recip
     # run's steps, its final/ for this run's result until this one ends.
     assert listing(tmp_path / "split") == ["checkpoints", "config.yaml", "final", "metrics.jsonl", "previous",
                                            "step_1", "tensorboard", "trajectories"]
-    assert listing(tmp_path / "split" / "previous") == ["checkpoints", "final", "metrics.jsonl", "step_1", "step_2",
-                                                        "step_3", "tensorboard", "trajectories"]
+    assert listing(tmp_path / "split" / "previous") == ["checkpoints", "config.yaml", "final", "metrics.jsonl", "step_1",
+                                                        "step_2", "step_3", "tensorboard", "trajectories"]
+    # Each recipe beside its results: `agentrl view previous/` decodes with the earlier run's.
+    recipe_of = lambda path: yaml.safe_load((tmp_path / "split" / path / "config.yaml").read_text())  # noqa: E731
+    assert (recipe_of(".")["trainer"]["steps"], recipe_of("previous")["trainer"]["steps"]) == (1, 3)
+    assert recipe_of("previous")["trainer"]["resume"] == "auto"
     weights = lambda path: (tmp_path / "split" / path / "model.safetensors").read_bytes()  # noqa: E731
     assert weights("final") == weights("step_1") and weights("previous/final") == weights("previous/step_3")
 
@@ -518,6 +525,24 @@ def test_training_goes_on_past_a_few_failed_episodes(tiny_recipe):
     # and a zero gradient; the run goes on and learns wherever surviving episodes disagree.
     assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
     assert any(h["grad_norm"] > 0 for h in history)
+
+
+@pytest.mark.parametrize("failed, fraction, stops", [(29, 0.29, False), (30, 0.29, True), (57, 0.57, False),
+                                                     (58, 0.58, False), (1, 0.0, True)])
+def test_the_failed_episode_budget_stops_only_past_its_fraction(failed, fraction, stops):
+    # 0.29 · 100 is 28.999999999999996 in floating point: 29 of 100 used to count as more than 29 %.
+    from agentrl.errors import RunFailed
+    from agentrl.rollout.collect import check_failures
+    from agentrl.types import Trajectory
+
+    trajectories = [Trajectory(task_id=str(i), group_id="g") for i in range(100)]
+    for tr in trajectories[:failed]:
+        tr.finish, tr.error = "error", "ValueError: judge down"
+    if stops:
+        with pytest.raises(RunFailed, match=rf"^step 1: {failed} of 100 episodes failed"):
+            check_failures("step 1", trajectories, fraction)
+    else:
+        check_failures("step 1", trajectories, fraction)
 
 
 def test_a_step_where_every_episode_failed_still_advances_the_warm_up(tiny_recipe):

@@ -52,7 +52,8 @@ def check_failures(what: str, trajectories: list[Trajectory], max_fraction: floa
     failed (trainer.max_failed_fraction): a training step stops the run, and `rollout` and `eval`
     exit with status 1 once their results are written."""
     failed = [tr for tr in trajectories if tr.finish == "error"]
-    if failed and len(failed) > max_fraction * len(trajectories):
+    # Divided, not multiplied: 0.29 * 100 is 28.999999999999996, and 29 of 100 would be "more".
+    if failed and len(failed) / len(trajectories) > max_fraction:
         causes = "; ".join(f"{error} ({count}x)" for error, count in Counter(tr.error for tr in failed).most_common(3))
         raise RunFailed(f"{what}: {len(failed)} of {len(trajectories)} episodes failed (more than "
                         f"trainer.max_failed_fraction {max_fraction:g}): {causes}")

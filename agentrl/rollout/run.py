@@ -96,11 +96,15 @@ def load_user_parts(config: RecipeConfig) -> tuple[list, Callable[[], Any] | Non
     """The user's tool files, interaction and reward function, each checked: (tools, interaction
     factory, reward function)."""
     tools = load_tool_files(config.rollout.tool_configs)
-    interaction_file = config.rollout.interaction_config
-    if interaction_file and not Path(interaction_file).is_file():
-        raise ConfigError(f"rollout.interaction_config: {interaction_file}: file not found")
-    interaction = load_interaction(interaction_file) if interaction_file else None
-    return tools, interaction, load_reward_fn(config.reward.function)
+    try:
+        interaction_file = config.rollout.interaction_config
+        if interaction_file and not Path(interaction_file).is_file():
+            raise ConfigError(f"rollout.interaction_config: {interaction_file}: file not found")
+        interaction = load_interaction(interaction_file) if interaction_file else None
+        return tools, interaction, load_reward_fn(config.reward.function)
+    except BaseException:  # the tools are open (an MCP server started)
+        close_tools(tools)
+        raise
 
 
 def load_driver_parts(config: RecipeConfig) -> tuple[list[Task], Any]:

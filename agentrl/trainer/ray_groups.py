@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from agentrl.errors import RunFailed
+from agentrl.errors import ConfigError, RunFailed
 
 RANK_INVARIANT = {"grad_norm", "critic_grad_norm", "skipped_step_fraction", "critic_skipped_step_fraction",
                   "lr"}  # equal on every rank: taken from rank 0
@@ -57,6 +57,9 @@ class Supervisor:
                 try:
                     ray.get(ref)
                 except Exception as e:  # a death (sentinel or call) or an exception in the call
+                    cause = getattr(e, "cause", None)
+                    if isinstance(cause, ConfigError):  # the recipe's fault, as on the local backend (exit 2)
+                        raise ConfigError(f"{label}: {cause}") from None
                     raise RunFailed(f"{label} failed during {what}: {describe(e)}") from None
                 if ref in self.sentinels:
                     raise RunFailed(f"{label} stopped its watch during {what}")

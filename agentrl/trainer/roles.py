@@ -149,9 +149,13 @@ class LocalRoles(Roles):
         self.config, self.tokenizer = config, tokenizer
         self.rollout = RolloutWorker(config)
         pad_id = tokenizer.pad_token_id
-        self.policy = make_policy(config, pad_id)
-        self.reference = make_reference(config, pad_id) if config.algorithm.kl_coef > 0 else None
-        self.critic = make_critic(config, pad_id) if config.algorithm.advantage == "gae" else None
+        try:
+            self.policy = make_policy(config, pad_id)
+            self.reference = make_reference(config, pad_id) if config.algorithm.kl_coef > 0 else None
+            self.critic = make_critic(config, pad_id) if config.algorithm.advantage == "gae" else None
+        except BaseException:  # the engine and the tools' servers are open already
+            self.rollout.close()
+            raise
 
     def collect(self, tasks: list[Task]) -> list[Trajectory]:
         return self.rollout.collect(tasks)
