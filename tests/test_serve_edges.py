@@ -266,3 +266,54 @@ def test_an_agent_answering_a_cut_off_reply_counts_its_malformed_block_once(toke
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [BAD_ERROR]
     # A finished turn's block, counted when sampled and answered too, counts once:
     # test_an_agent_tells_the_model_its_call_was_broken_as_the_builtin_loop_does.
+
+
+def test_a_tool_message_is_named_after_the_call_it_answers_when_clients_reuse_call_ids():
+    from agentrl.serve.protocol import chat_messages
+
+    def turn(name: str) -> list[dict]:
+        return [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": name, "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "r"}]
+
+    request = parse_request(json.dumps({"messages": [{"role": "user", "content": "q"}, *turn("calculator"),
+                                                     *turn("search")]}).encode())
+    named = [m.get("name") for m in chat_messages(request.messages) if m["role"] == "tool"]
+    assert named == ["calculator", "search"]  # the first was named after the later call
+
+
+def test_run_tools_says_arguments_that_decode_to_a_string_are_not_an_object():
+    from agentrl.env.tool_env import ToolEnv, ToolLimits
+    from agentrl.serve.agent import AgentContext
+    from agentrl.types import Task
+
+    async def answers() -> list[dict]:
+        env = ToolEnv([calculator], ToolLimits(), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="p", answer="a"))
+        try:
+            ctx = AgentContext("http://127.0.0.1:1/v1", "s", "m", [calculator], None, env, parse_hermes)
+            return await ctx.run_tools([{"id": "c1", "function": {"name": "calculator", "arguments": '"rm -rf"'}},
+                                        {"id": "c2", "function": {"name": "calculator", "arguments": "[1]"}}])
+        finally:
+            await env.finish()
+
+    contents = [m["content"] for m in asyncio.run(answers())]
+    assert contents == ["Error: the arguments of 'calculator' must be a JSON object"] * 2  # not "Error: rm -rf"
+
+
+def test_a_non_finite_logprob_is_an_engine_error_and_nothing_is_recorded(tokenizer):
+    """JSON has no -inf: the answer was a 500 for a turn the session already held (or, streamed,
+    a chunk no client parses)."""
+    from agentrl.types import Completion
+
+    class Diverged(ScriptedEngine):
+        async def generate(self, token_ids, sampling):
+            done = await super().generate(token_ids, sampling)
+            return Completion(done.token_ids, [float("-inf")] + done.logprobs[1:], done.finish, done.weight_version)
+
+    service = ChatService(Diverged(tokenizer, [ANSWER]), tokenizer, parse_hermes, ServeSettings())
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(ask(service, {"messages": TASK.messages(), "logprobs": True}))
+    assert (refused.value.status, refused.value.code) == (500, "engine_error")
+    assert str(refused.value) == "generation failed: the engine gave sampled token 0 the logprob -inf (a diverged model?)"
+    assert service.sessions.get("s").turns == 0

@@ -18,7 +18,10 @@ This module does not sample, run tools or train.
 
 from __future__ import annotations
 
+import copy
 import json
+import threading
+import weakref
 from typing import Any, Callable
 
 import jinja2
@@ -30,6 +33,25 @@ from agentrl.tools.parsers import ParsedTurn
 # the first that the rendering does not already hold (a client may send any character).
 _MARKS = [chr(c) for c in range(0xF8FF0, 0xF9000)]
 _FALLBACK_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+_plain_text: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_plain_text_lock = threading.Lock()
+
+
+def plain_text_tokenizer(tokenizer: Any) -> Any:
+    """A copy of `tokenizer` for `split_special_tokens=True` calls only, made once per tokenizer.
+
+    transformers applies that argument by setting a flag on the Rust tokenizer behind the call,
+    shared by every thread that uses the same tokenizer: with an endpoint's requests (or an
+    agent's tools) encoding on other threads, a prompt could be encoded with its control tokens
+    spelt out as text, or a tool's output with its special text turned into control tokens. The
+    copy only ever has the flag on; the tokenizer itself only ever has it off."""
+    with _plain_text_lock:
+        plain = _plain_text.get(tokenizer)
+        if plain is None:
+            plain = _plain_text[tokenizer] = copy.deepcopy(tokenizer)
+        return plain
 
 
 class TemplateError(RuntimeError):
@@ -69,7 +91,8 @@ class ChatRenderer:
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of a message's own text, special token text included, as plain text."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return plain_text_tokenizer(self.tokenizer)(text, add_special_tokens=False,
+                                                    split_special_tokens=True)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

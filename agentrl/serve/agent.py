@@ -98,16 +98,16 @@ class AgentContext:
         for call in tool_calls or []:
             call = call if isinstance(call, dict) else call.model_dump()
             fn, arguments = call["function"], call["function"].get("arguments") or "{}"
+            problem = f"the arguments of '{fn['name']}' must be a JSON object"  # '"rm -rf"' decodes to a str
             try:
                 arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
             except json.JSONDecodeError as e:
-                arguments = f"the arguments of '{fn['name']}' are not valid JSON ({e.msg})"
+                problem = f"the arguments of '{fn['name']}' are not valid JSON ({e.msg})"
             if isinstance(arguments, dict):
                 calls.append(ToolCall(fn["name"], arguments))
                 call_ids.append(call.get("id"))
             else:
-                errors.append(arguments if isinstance(arguments, str) else f"the arguments of '{fn['name']}' "
-                              "must be a JSON object")
+                errors.append(problem)
                 error_ids.append(call.get("id"))
         malformed = self._parser(content).errors if content else []
         answers = await self._env.run_turn(ParsedTurn(calls=calls, errors=errors + malformed))

@@ -170,10 +170,13 @@ def chat_messages(messages: list[MessageIn]) -> list[dict[str, Any]]:
     """The request's messages as the dicts chat templates render: text parts joined, `developer`
     as `system`, tool calls with mapping arguments (normalize_tool_calls), and each tool message
     named after the call it answers (templates that show a tool's name need it; OpenAI sends only
-    the call id)."""
-    call_names = {call.id: call.function.name for m in messages for call in m.tool_calls or [] if call.id}
+    the call id: the name is that of the call with this id in the latest assistant message before
+    it, since clients reuse ids such as `call_0` from turn to turn)."""
+    call_names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
+        if m.role == "assistant":
+            call_names = {call.id: call.function.name for call in m.tool_calls or [] if call.id}
         content = "".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
         role = "system" if m.role == "developer" else m.role
         message: dict[str, Any] = {"role": role, "content": content}

@@ -24,6 +24,7 @@ This module does not speak HTTP (app.py does) or run tools (the client does).
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from contextlib import contextmanager
@@ -168,9 +169,16 @@ class ChatService:
 
     async def _generate(self, ids: list[int], sampling: SamplingParams) -> Completion:
         try:
-            return await self.engine.generate(ids, sampling)
+            completion = await self.engine.generate(ids, sampling)
         except Exception as e:  # the message reaches the client; the server log keeps the traceback
             raise RequestError(f"generation failed: {type(e).__name__}: {e}", status=500, code="engine_error") from e
+        # Before the turn is recorded: JSON has no NaN or infinity (the answer would be a 500, or
+        # an invalid stream chunk, for a turn the session already held), nor would training want it.
+        bad = next((i for i, lp in enumerate(completion.logprobs) if not math.isfinite(lp)), None)
+        if bad is not None:
+            raise RequestError(f"generation failed: the engine gave sampled token {bad} the logprob "
+                               f"{completion.logprobs[bad]} (a diverged model?)", status=500, code="engine_error")
+        return completion
 
     def _interpret(self, renderer: ChatRenderer, history: list[dict[str, Any]], completion: Completion) -> SampledTurn:
         """A sampled turn as recorded and as replied; one cut off by its budget carries no calls."""
