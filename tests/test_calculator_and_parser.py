@@ -27,6 +27,10 @@ def test_evaluate_refuses(expr, message):
 
 def test_calculator_tool_formats_and_reports_errors():
     assert calculator("10 / 4") == "2.5" and calculator("10 / 2") == "5"
+    # No float noise shown as digits (1e30 was 1000000000000000019884624838656), none hidden by
+    # rounding (110000002.75 was 110000002.8), none shown of the float's own (0.1 + 0.2).
+    assert [calculator(e) for e in ("1e30", "1e16 + 1", "2 ** 52 * 1.0", "110000002.75 * 1", "0.1 + 0.2", "1 / 3")] == [
+        "1e+30", "1e+16", "4503599627370496", "110000002.75", "0.3", "0.333333333333333"]
     assert calculator("1e99 ** 4") == "Error: result out of range"
     assert calculator("open('f')") == "Error: 'open('f')' is not allowed; use numbers, + - * / // % ** and ()"
     assert calculator.schema["function"]["parameters"]["required"] == ["expression"]

@@ -64,6 +64,14 @@ def test_parse_number(text, value):
     assert parse_number(text) == value
 
 
+@pytest.mark.timeout(30)
+def test_parse_number_reads_a_reply_of_repeated_exponent_signs_in_linear_time():
+    # Each "e-" could be matched two ways: 24 of them took seconds, the 128 a 256-token reply
+    # holds would hold the event loop for good.
+    assert parse_number("The answer is 1" + "e-" * 5000 + "!") == 1.0
+    assert parse_number("Answer: 2.5e-3 and 1e+6") == 1e6
+
+
 @pytest.mark.parametrize("answer,reply,parsed,reward", [
     ("#### 12", "Answer: 12 (ages 10-12)", 12.0, 1.0),  # a hyphen inside a range is not a minus
     ("#### 10", "Total: 10.\nTime: 2023-10-05", 10.0, 1.0),  # a date is not a number
@@ -403,3 +411,11 @@ def test_a_slow_interaction_constructor_is_named_once(tokenizer, capsys, monkeyp
     assert len(warnings) == 1 and warnings[0].startswith(
         "agentrl: warning: the interaction's constructor held the event loop for 0.1 s without yielding")
     assert "do per-episode set-up in `async def start`" in warnings[0]
+
+
+def test_check_answer_takes_the_number_models_often_send_as_a_number():
+    from agentrl.tools.base import argument_problem
+
+    tool = CheckAnswer()
+    assert argument_problem(tool, {"answer": 18}) is None and argument_problem(tool, {"answer": "18"}) is None
+    assert argument_problem(tool, {"answer": [18]}) == "bad arguments for check_answer: [18] is not of type 'string', 'number'."

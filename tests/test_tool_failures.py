@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
+import functools
 import json
 
 import pydantic
+import pytest
 import torch
 
 from agentrl.env.tool_env import ToolEnv, ToolLimits
@@ -167,6 +170,88 @@ def test_a_functions_optional_parameter_takes_the_null_its_schema_offers_and_not
     assert argument_problem(tagged, {"x": 1, "z": 3, "a": 0}) == ("bad arguments for tagged: unexpected argument "
                                                                  "'a', 'z' (it takes nullable, tags, x).")
     assert argument_problem(FunctionTool(lambda **kw: "ok", schema=tagged.schema), {"x": 1, "z": 3}) is None
+
+
+class Unit(enum.Enum):
+    C = "celsius"
+    F = "fahrenheit"
+
+
+def convert(degrees: float, unit: Unit, times: int = 1, pair: tuple[int, str] = (0, "")) -> str:
+    """Converts a temperature.
+
+    Args:
+        degrees: The value.
+        unit: What it is in.
+        times: How often to repeat the answer.
+        pair: Any pair.
+    """
+    value = degrees * 9 / 5 + 32 if unit is Unit.C else (degrees - 32) * 5 / 9
+    return ",".join([f"{value:g}"] * times) + f" {type(pair).__name__}"
+
+
+def test_a_functions_arguments_arrive_as_its_type_hints_say():
+    """The JSON value used to reach the function as it was: "celsius" is not Unit.C (100 °C came
+    back as 37.8), 2.0 passes jsonschema's integer check and then broke `"x" * 2.0`."""
+    from agentrl.tools.base import argument_problem
+
+    converting = FunctionTool(convert)
+    run = lambda arguments: asyncio.run(converting.execute("e", arguments)).text  # noqa: E731
+    assert run({"degrees": 100, "unit": "celsius", "times": 2.0, "pair": [1, "a"]}) == "212,212 tuple"
+    assert argument_problem(converting, {"degrees": 1, "unit": "kelvin"}) == (
+        "bad arguments for convert: 'kelvin' is not one of ['celsius', 'fahrenheit'].")
+    assert argument_problem(converting, {"degrees": 1, "unit": "celsius", "times": 2.5}) == (
+        "bad arguments for convert: 2.5 is not of type 'integer'.")
+    assert argument_problem(converting, {"degrees": 1, "unit": "celsius", "pair": [1]}) == (
+        "bad arguments for convert: argument 'pair': Field required.")
+
+
+def test_only_keyword_parameters_make_a_tool():
+    from agentrl.tools.base import function_schema
+
+    def total(*values: int) -> int:
+        """Adds.
+
+        Args:
+            values: The numbers.
+        """
+        return sum(values)
+
+    def tag(name: str, **attributes: str) -> str:
+        """Tags.
+
+        Args:
+            name: The tag.
+            attributes: Its attributes.
+        """
+        return name + "".join(f" {k}={v}" for k, v in sorted(attributes.items()))
+
+    with pytest.raises(ValueError, match=r"^parameter '\*values' of 'total' cannot be given by name"):
+        function_schema(total)
+    tagging = tool(tag)
+    assert tagging.schema["function"]["parameters"]["required"] == ["name"]
+    assert set(tagging.schema["function"]["parameters"]["properties"]) == {"name"}
+    assert asyncio.run(tagging.execute("e", {"name": "a", "href": "u"})).text == "a href=u"
+
+
+def test_an_async_function_behind_a_sync_decorator_is_awaited():
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    @logged
+    async def search(query: str) -> str:
+        """Searches.
+
+        Args:
+            query: What to look for.
+        """
+        await asyncio.sleep(0)
+        return f"found {query}"
+
+    assert asyncio.run(tool(search).execute("e", {"query": "x"})).text == "found x"
 
 
 def test_calls_over_the_per_turn_limit_get_an_error(tokenizer):

@@ -15,10 +15,12 @@ import inspect
 import json
 import math
 import numbers
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import jsonschema
+import pydantic
 from transformers.utils import get_json_schema
 
 from agentrl.tools.threads import DaemonExecutor, PluginError, ThreadCall
@@ -75,6 +77,12 @@ def argument_problem(t: Tool, arguments: dict[str, Any]) -> str | None:
     except Exception as e:  # noqa: BLE001 - jsonschema raises referencing, schema and type errors alike
         detail = as_text(f"{type(e).__name__}: {e}").splitlines()[0][:200]
         return f"the arguments for {name} cannot be checked, its parameters schema is broken ({detail})."
+    convert = getattr(t, "convert_arguments", None)  # a function's: JSON values to its type hints
+    if convert is not None:
+        try:
+            convert(arguments)
+        except ValueError as e:
+            return f"bad arguments for {name}: {e}."
     return None
 
 
@@ -119,13 +127,31 @@ class FunctionTool:
         self.fn = fn
         self.schema = schema or function_schema(fn)
         self.parameter_names = keyword_names(fn)
-        self._threads = None if inspect.iscoroutinefunction(fn) else DaemonExecutor(
+        self._adapters = argument_adapters(fn)
+        # unwrap: an `async def` behind a functools.wraps decorator returns a coroutine to await
+        self._threads = None if inspect.iscoroutinefunction(inspect.unwrap(fn)) else DaemonExecutor(
             max_workers, name=getattr(fn, "__name__", "tool"))
+
+    def convert_arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The JSON arguments as the function's type hints take them (an Enum member for its value,
+        3 for 3.0 where it takes an int, a tuple for a list), through pydantic, as tool configs are
+        (loader.typed_config); a ValueError names the argument that does not convert."""
+        converted = dict(arguments)
+        for name, value in arguments.items():
+            adapter = self._adapters.get(name)
+            if adapter is None:
+                continue
+            try:
+                converted[name] = adapter.validate_python(value)
+            except pydantic.ValidationError as e:
+                raise ValueError(f"argument '{name}': {e.errors()[0]['msg']}") from None
+        return converted
 
     async def create(self, instance_id: str, **kwargs: Any) -> str | None:
         return instance_id
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult | str:
+        arguments = self.convert_arguments(arguments)
         if self._threads is None:
             result = await self.fn(**arguments)
         else:
@@ -159,10 +185,42 @@ def keyword_names(fn: Callable[..., Any]) -> frozenset[str] | None:
                      if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
+def argument_adapters(fn: Callable[..., Any]) -> dict[str, pydantic.TypeAdapter]:
+    """A pydantic TypeAdapter per keyword parameter with a type hint pydantic can build one for
+    (others are passed as the JSON gave them)."""
+    try:
+        hints = typing.get_type_hints(inspect.unwrap(fn), include_extras=True)
+        parameters = inspect.signature(fn).parameters.values()
+    except Exception:  # noqa: BLE001 - an unresolvable forward reference, a callable without a signature
+        return {}
+    adapters = {}
+    for p in parameters:
+        if p.name in hints and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            try:
+                adapters[p.name] = pydantic.TypeAdapter(hints[p.name])
+            except Exception:  # noqa: BLE001 - a type pydantic has no schema for: not converted
+                pass
+    return adapters
+
+
 def function_schema(fn: Callable[..., Any]) -> dict[str, Any]:
-    """OpenAI schema from type hints and docstring; drops the 'return' entry models never see."""
+    """OpenAI schema from type hints and docstring; drops the 'return' entry models never see.
+
+    Only keyword parameters can be called with a JSON object: `*args` and positional-only
+    parameters are refused (get_json_schema lists them as properties no call could fill), and
+    `**kwargs` is left out of the schema (it takes whatever other keys the model sends)."""
     schema = get_json_schema(fn)
     schema["function"].pop("return", None)
+    parameters = schema["function"].get("parameters", {})
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
+            star = "*" if p.kind is inspect.Parameter.VAR_POSITIONAL else ""
+            raise ValueError(f"parameter '{star}{p.name}' of {getattr(fn, '__name__', fn)!r} cannot be given by "
+                             "name: a tool's arguments arrive as a JSON object, so every parameter must be a keyword")
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            parameters.get("properties", {}).pop(p.name, None)
+            if p.name in parameters.get("required", []):
+                parameters["required"].remove(p.name)
     return schema
 
 

@@ -57,9 +57,12 @@ def _eval(node: ast.AST) -> int | float:
 
 
 def format_number(value: int | float) -> str:
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+    """An int as its digits; a float to 15 significant digits (all a float holds without its
+    rounding noise showing: 0.1 + 0.2 is 0.3), written without a point when it is a whole number
+    a float holds exactly (below 2**53). 1e30 is '1e+30', not the 31 digits of the nearest float."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 2**53:
         value = int(value)
-    return str(value) if isinstance(value, int) else f"{value:.10g}"
+    return str(value) if isinstance(value, int) else f"{value:.15g}"
 
 
 @tool

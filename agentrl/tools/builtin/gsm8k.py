@@ -17,8 +17,10 @@ from agentrl.tools.base import ToolResult
 # "10-12", "3,4,5" or "1e3-1e4" is never read as "-12", "345" or "-1e4". A minus counts as a sign
 # only where it cannot be a hyphen or a subtraction (not after a letter, digit, dot or comma);
 # U+2212 is the typographic minus.
+# An exponent's minus is the class's own (only its plus is the exponent's): were both to match it,
+# each "e-" could be read two ways, and a reply of 24 of them took seconds on the event loop.
 _CANDIDATE_RE = re.compile(r"(?:(?<![\w.,])(?P<sign>[-\u2212]))?(?<![\d.,])"
-                           r"(?P<body>\.?\d(?:(?:[\d.,\-\u2212]|[eE][-+\u2212]?)*\d)?)")
+                           r"(?P<body>\.?\d(?:(?:[\d.,\-\u2212]|[eE]\+?)*\d)?)")
 # What a chunk must be to count: thousands separators only in groups of three, one decimal point,
 # at most one exponent ('1e6' is a million, not 6).
 _WELL_FORMED_RE = re.compile(r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+\u2212]?\d+)?")
@@ -66,7 +68,7 @@ class CheckAnswer:
             "description": "Submit your final numeric answer; the reply says whether it is correct.",
             "parameters": {
                 "type": "object",
-                "properties": {"answer": {"type": "string", "description": "The final answer, a number."}},
+                "properties": {"answer": {"type": ["string", "number"], "description": "The final answer, a number."}},
                 "required": ["answer"],
             },
         },
