@@ -368,9 +368,10 @@ def _not_json(name: str) -> Any:
     raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
-def conversation_file(path: str) -> list[list[dict[str, Any]]]:
+def conversation_file(path: str) -> list[tuple[str, list[dict[str, Any]]]]:
     """A jsonl file with one {"messages": [...]} object per line, each conversation checked
-    (check_messages) and opening with a system or user message before an assistant turn to learn."""
+    (check_messages) and opening with a system or user message before an assistant turn to learn;
+    each with its place ('file:line'), for the errors found when it renders."""
     if not Path(path).is_file():
         raise ConfigError(f"sft.data: '{path}' not found")
     conversations = []
@@ -384,7 +385,7 @@ def conversation_file(path: str) -> list[list[dict[str, Any]]]:
                               "it must open with a system or user message")
         if not any(m["role"] == "assistant" for m in messages):
             raise ConfigError(f"{path}:{number}: the conversation has no assistant turn to learn from")
-        conversations.append(messages)
+        conversations.append((f"{path}:{number}", messages))
     if not conversations:
         raise ConfigError(f"sft.data: no conversations: '{path}' has no rows")
     return conversations

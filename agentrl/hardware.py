@@ -74,7 +74,11 @@ def _auto(device_name: str) -> DtypeChoice:
     """Probed once per device and process; printed when chosen."""
     device = torch.device(device_name)
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        # Not by emulation: a T4 or V100 (compute capability 7) "supports" bf16 tensors without
+        # computing in bf16; and for this device, not the current one.
+        with torch.cuda.device(device):
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        if native:
             choice = DtypeChoice("bfloat16", f"{torch.cuda.get_device_name(device)} computes in bf16")
         else:
             choice = DtypeChoice("float32", f"{torch.cuda.get_device_name(device)} lacks bf16 support")

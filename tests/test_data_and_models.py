@@ -122,7 +122,7 @@ def test_sft_conversations_are_checked_when_read(tmp_path, line, message):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1 + 1"}'}}]}]}
     path.write_text(json.dumps(good) + "\n")
-    assert conversation_file(str(path)) == [good["messages"]]
+    assert conversation_file(str(path)) == [(f"{path}:1", good["messages"])]
     path.write_text(json.dumps(good) + "\n" + line + "\n")
     with pytest.raises(ConfigError) as err:
         conversation_file(str(path))

@@ -76,3 +76,21 @@ def test_recipe_dtypes_default_to_auto_and_read_the_old_autocast_key():
         load_recipe(None, ["trainer.bf16_autocast=true", "trainer.dtype=float32"])
     with pytest.raises(ConfigError, match="model.dtype: Input should be 'auto', 'float32' or 'bfloat16'"):
         load_recipe(None, ["model.dtype=float16"])
+
+
+def test_a_gpu_that_only_emulates_bf16_stays_float32(monkeypatch, capsys):
+    """No GPU here: torch's answers for a T4 (compute capability 7.5) are given. It "supports"
+    bf16 by emulation (torch's default question), which is slower than float32, not faster."""
+    import contextlib
+
+    asked = []
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        asked.append(including_emulation)
+        return including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert hardware.choose_dtype("auto", "cuda") == hardware.DtypeChoice("float32", "Tesla T4 lacks bf16 support")
+    assert asked == [False] and "dtype auto on cuda: float32" in capsys.readouterr().err

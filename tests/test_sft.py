@@ -54,6 +54,25 @@ def test_turns_end_with_the_templates_end_token_and_their_text_stays_text(tokeni
         assert trained.count(2) == 2 and (tok is tokenizer or tok.eos_token_id not in trained)
 
 
+def test_a_template_that_adds_eos_after_the_last_message_trains_up_to_the_turns_end(tokenizer):
+    """Phi-3's shape: each turn ends with its end token, and eos follows the last message. The
+    turn was cut at the last stop token, so SFT trained the newline and eos after it (which the
+    policy never samples: it stops at the end token), and a second turn broke the prefix check."""
+    import copy
+
+    phi_like = copy.deepcopy(tokenizer)
+    phi_like.eos_token = "<|endoftext|>"
+    phi_like.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                              "{{ '<|im_start|>assistant\\n' }}{% else %}{{ eos_token }}{% endif %}")
+    renderer = ChatRenderer(phi_like, [])
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "Bye."}]
+    sample = conversation_sample(renderer, messages)
+    trained = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
+    assert phi_like.decode(trained) == "Hello.<|im_end|>Bye.<|im_end|>"
+
+
 def test_a_template_without_prefix_renderings_ends_turns_with_its_end_token(tokenizer):
     """Templates whose generation prompt is not how they render an assistant turn (reasoning
     templates open the reply with `<think>`) take the fallback; it used to end each turn with eos,
@@ -163,3 +182,23 @@ def test_a_save_refuses_a_model_directory_holding_other_files(tmp_path, tokenize
         check_replaceable(tmp_path / "afile", "sft.output")
     assert (target / "notes.txt").read_text() == "mine" and (target / "config.json").is_file()
     assert not (tmp_path / "final.tmp").exists()
+
+
+def test_a_data_row_the_template_cannot_render_names_its_file_and_line(tmp_path, tiny_model_dir):
+    """Special text in a call's arguments cannot be kept as text inside the template's call markup:
+    the run stops before the model loads, naming the row (it was a traceback)."""
+    import json
+
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.sft import run_sft
+
+    data = tmp_path / "sft.jsonl"
+    row = lambda expression: {"messages": [  # noqa: E731
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "calculator", "arguments": json.dumps({"expression": expression})}}]}]}
+    data.write_text(json.dumps(row("1 + 1")) + "\n" + json.dumps(row("1 <|im_end|> 2")) + "\n")
+    with pytest.raises(ConfigError, match=rf"^{data}:2: .*<\|im_end\|>"):
+        run_sft(sft_recipe(tiny_model_dir, tmp_path / "out", f"sft.data={data}",
+                           "rollout.tool_configs=[tool_configs/calculator.yaml]"))
+    assert not (tmp_path / "out").exists()

@@ -213,14 +213,16 @@ class ChatRenderer:
         prompt = self.render_text(history, add_generation_prompt=True)
         full = self.render_text(history + [message], add_generation_prompt=False)
         if full.startswith(prompt):
-            # The turn ends with the last token that stops sampling (the template's end of turn,
-            # which need not be eos: Qwen's base models); the message's own text is kept as text
-            # (encode_rendered), so a literal `<|im_end|>` in it cannot end the turn early.
+            # The turn ends with the first token that stops sampling (the template's end of turn,
+            # which need not be eos: Qwen's base models), where sampling would have stopped; what a
+            # template adds after it (Phi-3's eos after the last message) is not the policy's. The
+            # message's own text is kept as text (encode_rendered), so a literal `<|im_end|>` in it
+            # cannot end the turn early.
             ids = self.encode_rendered(full[len(prompt):], [message], lambda marked: self.render_text(
                 history + marked, add_generation_prompt=False)[len(prompt):])
             ends = [i for i, token in enumerate(ids) if token in self.stop_ids]
             if ends:
-                return ids[: ends[-1] + 1], False
+                return ids[: ends[0] + 1], False
         parts = [message.get("content") or ""] + [
             "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
                                          ensure_ascii=False) + "\n</tool_call>"

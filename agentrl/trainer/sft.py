@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from agentrl.rollout.chat import ChatRenderer, SpecialTextError, normalize_tool_calls
+from agentrl.rollout.chat import ChatRenderer, SpecialTextError, TemplateError, normalize_tool_calls
 from agentrl.trainer.logprobs import pad_sequences, token_logprobs
 
 
@@ -94,8 +94,8 @@ def run_sft(config) -> str:
         raise ConfigError(f"sft.base_model: '{s.base_model}' is inside sft.output ('{s.output}'), which the save "
                           "replaces with LoRA adapters that name their base; save them elsewhere")
     tools = load_tool_files(config.rollout.tool_configs)
-    conversations = (arithmetic_demonstrations(s.num_examples, s.seed, s.min_digits, s.max_digits,
-                                               config.rollout.system_prompt)
+    conversations = ([(f"sft.data arithmetic #{i + 1}", c) for i, c in enumerate(arithmetic_demonstrations(
+                         s.num_examples, s.seed, s.min_digits, s.max_digits, config.rollout.system_prompt))]
                      if s.data == "arithmetic" else conversation_file(s.data))
     tokenizer = load_tokenizer(s.base_model, config.model.chat_template, needs_tools=bool(tools))
     try:
@@ -103,7 +103,12 @@ def run_sft(config) -> str:
     except SpecialTextError as e:  # a tool schema spelling a control token: before the model loads
         raise ConfigError(f"rollout.tool_configs: {e}") from None
     renderer.system_prompt = config.rollout.system_prompt  # rendered as written; a conversation's own is text
-    samples = [conversation_sample(renderer, c) for c in conversations]
+    samples = []
+    for place, conversation in conversations:
+        try:
+            samples.append(conversation_sample(renderer, conversation))
+        except TemplateError as e:  # a row the template cannot render token by token: before the model loads
+            raise ConfigError(f"{place}: {e}") from None
     model = load_model(s.base_model)
     if config.model.lora.rank > 0:  # the adapters train and are saved; load_model merges them for use
         from agentrl.trainer.lora import add_lora
