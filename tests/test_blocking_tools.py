@@ -129,6 +129,10 @@ def test_name_lookups_are_not_queued_behind_hung_plugin_calls():
         found = run_with_daemon_threads(main(), max_workers=2)
     finally:
         release.set()
+        # Its threads end now, not while a later test counts threads.
+        deadline = time.monotonic() + 5
+        while any(t.name.startswith("agentrl-default") for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert {info[4] for info in found} == {("127.0.0.1", 80)}
 
 
