@@ -2,10 +2,11 @@
 
 Five checks, on CPU with the tokenizer only (no weights), on a small conversation with a tool call,
 a tool result, a second user turn and a final answer, rendered exactly as the rollout loop and SFT
-render it (`ChatRenderer`, `conversation_sample`):
+render it (`ChatRenderer`, `conversation_sample`), the call turn recorded as the rollout loop records it:
 
 - tools: every tool's name and description appear in the rendered prompt;
-- prefix: each appended turn leaves the earlier rendering unchanged (the generation prompt aside);
+- prefix: each appended turn leaves the earlier rendering unchanged (the generation prompt aside),
+  and a tool or user turn adds text holding its content;
 - tool-call: a structured tool call, rendered and read back with the recipe's parser, is the same call;
 - loss-mask: the trained tokens decode to exactly each assistant turn's content and end-of-turn token,
   which is also how the template renders that turn;
@@ -84,14 +85,29 @@ class Doctor:
         except SpecialTextError as e:  # a schema the template would render with control tokens in it
             raise ConfigError(str(e)) from None
         self.call = sample_call(tools[0])
-        self.conversation = [
-            {"role": "system", "content": "You are a careful assistant."},
-            {"role": "user", "content": "What is 12 * 34?"},
-            {"role": "assistant", "content": CALL_TEXT[parser](self.call), "tool_calls": [self.call.as_message_field()]},
+        opening = [{"role": "system", "content": "You are a careful assistant."},
+                   {"role": "user", "content": "What is 12 * 34?"}]
+        call_text = CALL_TEXT[parser](self.call)
+        self.conversation = opening + [
+            self.recorded_call_turn(opening, call_text),
             {"role": "tool", "name": self.call.name, "content": "408"},
             {"role": "user", "content": "Thanks. Say it in words."},
             {"role": "assistant", "content": "Four hundred and eight."},
         ]
+        # What the model sampled in each assistant turn, which is what training must see.
+        self.sampled = {2: call_text, 5: self.conversation[5]["content"]}
+
+    def recorded_call_turn(self, history: list[dict[str, Any]], text: str) -> dict[str, Any]:
+        """The call turn as the rollout loop records it after sampling `text`: the form that renders
+        back to the sample (Qwen2.5's shape keeps only the text outside the call blocks as content)."""
+        fallback = {"role": "assistant", "content": text, "tool_calls": [self.call.as_message_field()]}
+        end = self.renderer.turn_end_id
+        try:
+            message, _ = self.renderer.assistant_message(history, text, self.parse(text),
+                                                         self.renderer.encode(text) + ([end] if end is not None else []))
+        except Exception:  # the checks report what is wrong with such a template
+            return fallback
+        return message
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         return self.renderer.render_text(messages, add_generation_prompt=generation_prompt)
@@ -133,6 +149,10 @@ class Doctor:
                 start = line if at - line <= 30 else at
                 return False, (f"appending {_article(role)} {role} turn changed earlier text at char {at}: "
                                f"expected {before[start:at + 40]!r}, got {after[start:at + 40]!r}")
+            content = self.conversation[k]["content"]
+            if role != "assistant" and content not in after[len(before):]:  # the model would never see it
+                return False, (f"appending {_article(role)} {role} turn added {after[len(before):]!r}, "
+                               f"which does not contain its content {content!r}")
             roles.append(role)
         return True, f"appending {', '.join(roles)} turns kept every earlier rendering as a prefix"
 
@@ -167,7 +187,7 @@ class Doctor:
         if len(runs) != len(turns):
             return False, f"{len(runs)} runs of trained tokens for {len(turns)} assistant turns"
         for number, (run, k) in enumerate(zip(runs, turns), start=1):
-            got, want = self.renderer.decode(run), self.conversation[k]["content"] + end
+            got, want = self.renderer.decode(run), self.sampled[k] + end
             if got != want:
                 return False, f"assistant turn {number}: trained tokens decode to {got!r}, expected {want!r}"
             shown = self.render(self.conversation[: k + 1])[len(self.render(self.conversation[:k], True)):]

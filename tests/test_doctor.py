@@ -148,3 +148,29 @@ def test_a_nullable_parameter_passes_every_check(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[2] == 'PASS tool-call: calculator({"expression": "12 * 34"}) rendered and parsed back unchanged'
     assert lines[5] == "5/5 checks passed"
+
+
+def test_a_template_that_renders_calls_after_the_content_passes(tokenizer):
+    """Qwen2.5's shape renders `content` and then every `tool_calls` entry; the rollout loop records a
+    call turn as the text outside its call blocks plus the calls, and the doctor checks that record.
+    It used to check the sampled text with the calls beside it, which that template renders twice."""
+    variant = load_tokenizer("smollm2-135m-instruct", str(FIXTURES / "qwen25_style.jinja"))
+    doctor = Doctor(variant, [calculator], "hermes")
+    assert doctor.conversation[2] == {"role": "assistant", "content": "",
+                                      "tool_calls": [doctor.call.as_message_field()]}
+    checks = {c.name: c for c in doctor.run()}
+    assert [c.line().split(":")[0] for c in checks.values()] == [
+        "PASS tools", "PASS prefix", "PASS tool-call", "PASS loss-mask", "PASS stop"]
+    # the project's template keeps the sampled text as content, as the rollout loop records it there
+    assert Doctor(tokenizer, [calculator], "hermes").conversation[2]["content"].startswith("<tool_call>\n")
+
+
+def test_a_template_that_drops_tool_results_fails_prefix(tokenizer):
+    """Appending a tool turn that renders as nothing keeps every earlier rendering as a prefix, but
+    the model would never see the result."""
+    variant = copy.deepcopy(tokenizer)
+    tool_branch = "<|im_start|>tool\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    assert variant.chat_template.count(tool_branch) == 1
+    variant.chat_template = variant.chat_template.replace(tool_branch, "")
+    check = next(c for c in Doctor(variant, [calculator], "hermes").run() if c.name == "prefix")
+    assert check.line() == "FAIL prefix: appending a tool turn added '', which does not contain its content '408'"
