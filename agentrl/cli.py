@@ -21,8 +21,8 @@ RECIPE_COMMANDS = {
     "eval": ("agentrl.rollout.run", "run_eval", "accuracy on held-out tasks"),
     "rollout": ("agentrl.rollout.run", "run_rollout", "run episodes and write trajectories to JSONL"),
 }
-# the device keys each command puts models on (SFT trains on the CPU): a CUDA one must exist
-DEVICE_KEYS = {"train": ("engine.device", "trainer.device"), "sft": (), "eval": ("engine.device",),
+# the device keys each command puts models on (SFT trains where the policy does): a CUDA one must exist
+DEVICE_KEYS = {"train": ("engine.device", "trainer.device"), "sft": ("trainer.device",), "eval": ("engine.device",),
                "rollout": ("engine.device",), "serve": ("engine.device",)}
 # the directories each command writes its results to: checked before any work, which they would end
 OUTPUT_KEYS = {"train": ("output_dir",), "sft": ("sft.output",), "eval": ("output_dir",),

@@ -247,7 +247,8 @@ class TrainerConfig(_Section):
                                              "autocast, weights and optimizer state stay float32. " + DTYPE_AUTO)
     activation_checkpointing: bool = Field(False, description="Recompute decoder activations in the backward "
                                                             "pass: less memory per token, more compute.")
-    device: Device = Field("cpu", description="Torch device of the policy, reference and critic models.")
+    device: Device = Field("cpu", description="Torch device of the policy, reference and critic models, "
+                                                 "and of `agentrl sft`.")
     save_every: int = Field(0, ge=0, description="Every N steps save step_N/ (a model directory) and checkpoint/ "
                                                  "(resumable state); 0: only final/ at the end.")
     resume: Literal["never", "auto"] = Field(

@@ -202,3 +202,26 @@ def test_a_data_row_the_template_cannot_render_names_its_file_and_line(tmp_path,
         run_sft(sft_recipe(tiny_model_dir, tmp_path / "out", f"sft.data={data}",
                            "rollout.tool_configs=[tool_configs/calculator.yaml]"))
     assert not (tmp_path / "out").exists()
+
+
+def test_sft_trains_on_the_trainers_device(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """`agentrl sft` trains where the RL stage trains the policy (`trainer.device`); it used to stay on
+    the CPU whatever that said. A CUDA device that is not there stops it before any work."""
+    import agentrl.trainer.sft
+    from agentrl.cli import main
+    from agentrl.trainer.sft import run_sft
+
+    trained_on = []
+    monkeypatch.setattr(agentrl.trainer.sft, "sft_train", lambda model, *a, **k: trained_on.append(
+        next(model.parameters()).device) or [])
+    moved_to = []
+    to = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved_to.append(a) or to(self, *a, **k))
+    run_sft(sft_recipe(tiny_model_dir, tmp_path / "out", "trainer.device=cpu"))
+    assert moved_to == [("cpu",)] and trained_on == [torch.device("cpu")]
+    if torch.cuda.is_available():
+        return
+    capsys.readouterr()
+    assert main(["sft", "recipes/quickstart.yaml", "trainer.device=cuda:0"]) == 2
+    assert capsys.readouterr().err == ("agentrl: error: recipes/quickstart.yaml: trainer.device: 'cuda:0' is not "
+                                       f"available (torch {torch.__version__} sees no CUDA device)\n")

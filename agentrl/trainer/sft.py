@@ -114,6 +114,7 @@ def run_sft(config) -> str:
         from agentrl.trainer.lora import add_lora
 
         model = add_lora(model, config.model.lora, s.base_model, seed=s.seed)
+    model.to(config.trainer.device)  # where the RL stage trains the policy too
     started = time.perf_counter()
     bf16 = choose_dtype(s.dtype, next(model.parameters()).device).dtype == "bfloat16"
     losses = sft_train(model, samples, tokenizer.pad_token_id, s.steps, s.batch_size, s.lr, s.seed, bf16,
