@@ -64,6 +64,14 @@ def test_parse_number(text, value):
     assert parse_number(text) == value
 
 
+@pytest.mark.parametrize("text,value", [
+    ("Let me think... 18", 18.0), ("Wait...18", 18.0), ("So,18", 18.0), ("...-5", -5.0),
+    ("So,-18", -18.0), ("...18 and 1.2.3", 18.0), ("1.2.3", None), ("3,4,5", None), ("ages 3,-5", None)])
+def test_prose_punctuation_before_a_number_does_not_hide_it(text, value):
+    """A dot or comma that follows no digit is prose, not part of a number; 'Wait...18' was None."""
+    assert parse_number(text) == value
+
+
 @pytest.mark.timeout(30)
 def test_parse_number_reads_a_reply_of_repeated_exponent_signs_in_linear_time():
     # Each "e-" could be matched two ways: 24 of them took seconds, the 128 a 256-token reply

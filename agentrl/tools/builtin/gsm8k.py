@@ -19,8 +19,12 @@ from agentrl.tools.base import ToolResult
 # U+2212 is the typographic minus.
 # An exponent's minus is the class's own (only its plus is the exponent's): were both to match it,
 # each "e-" could be read two ways, and a reply of 24 of them took seconds on the event loop.
-_CANDIDATE_RE = re.compile(r"(?:(?<![\w.,])(?P<sign>[-\u2212]))?(?<![\d.,])"
-                           r"(?P<body>\.?\d(?:(?:[\d.,\-\u2212]|[eE]\+?)*\d)?)")
+# A chunk starts where no number's punctuation runs into it: not after a digit, nor after a dot or
+# comma that follows a digit ('1.2.3' is one chunk). A dot or comma after anything else is prose
+# ('Wait...18', 'So,-18'), though it does not open a leading-dot decimal there ('...18' is not .18).
+_CANDIDATE_RE = re.compile(r"(?:(?:(?<![\w.,])|(?<=[.,])(?<!\d[.,]))(?P<sign>[-\u2212]))?"
+                           r"(?P<body>(?:(?<![\d.,])\.?|(?<=[.,])(?<!\d[.,]))"
+                           r"\d(?:(?:[\d.,\-\u2212]|[eE]\+?)*\d)?)")
 # What a chunk must be to count: thousands separators only in groups of three, one decimal point,
 # at most one exponent ('1e6' is a million, not 6).
 _WELL_FORMED_RE = re.compile(r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+\u2212]?\d+)?")
@@ -34,7 +38,7 @@ def parse_number(text: str | float | int | None) -> float | None:
     '2.5E-3'). Digits joined by hyphens, ill-grouped commas or several dots are not a number: a
     range ('3-4', '10-12', '1e3-1e4'), a date ('2023-10-05'), a subtraction ('5-1'), a list
     ('3,4,5') or a version ('1.2.3') is skipped, so the number before it counts ('Answer: 12 (ages 10-12)' is 12;
-    'Answer: 3-4' has none).
+    'Answer: 3-4' has none). Prose punctuation right before a number does not hide it ('So,18', 'Wait...18').
     """
     if text is None:
         return None
