@@ -146,10 +146,11 @@ def test_logit_bias_and_response_format_are_refused_unless_neutral(tokenizer):
     ({"parallel_tool_calls": False},
      "parallel_tool_calls: false is not supported; the model may call several tools in one turn"),
     ({"modalities": ["text", "audio"]}, 'modalities: only ["text"] is supported'),
+    ({"reasoning_effort": "low"}, "reasoning_effort: reasoning effort is not supported"),  # as the Responses route
     ({"messages": [{"role": "user", "content": "2+2?"},
                    {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}]},
      "messages.1: the legacy function_call form is not supported; send the call in tool_calls"),
-], ids=["functions", "parallel_tool_calls_false", "audio", "legacy_call_in_history"])
+], ids=["functions", "parallel_tool_calls_false", "audio", "reasoning_effort", "legacy_call_in_history"])
 def test_options_that_change_the_answer_are_refused_not_dropped(tokenizer, extra, message):
     """These used to be accepted and ignored: the model never saw legacy `functions` and answered
     in text, a legacy call vanished from the history, `parallel_tool_calls: false` could still get
@@ -157,8 +158,8 @@ def test_options_that_change_the_answer_are_refused_not_dropped(tokenizer, extra
     with pytest.raises(RequestError) as refused:
         parse_request(json.dumps({"messages": TASK.messages(), **extra}).encode())
     assert (refused.value.status, str(refused.value)) == (400, message)
-    service = ChatService(ScriptedEngine(tokenizer, [ANSWER] * 2), tokenizer, parse_hermes, ServeSettings())
-    for neutral in ({"parallel_tool_calls": True}, {"modalities": ["text"]}):
+    service = ChatService(ScriptedEngine(tokenizer, [ANSWER] * 3), tokenizer, parse_hermes, ServeSettings())
+    for neutral in ({"parallel_tool_calls": True}, {"modalities": ["text"]}, {"reasoning_effort": None}):
         assert asyncio.run(ask(service, {"messages": TASK.messages(), **neutral}, None))["choices"][0]["message"][
             "content"] == ANSWER
 

@@ -150,3 +150,19 @@ def test_options_that_ask_for_nothing_here_are_accepted(served):
     r = httpx.post(f"{server.base_url}/responses", json=body)
     assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == ANSWER
     assert r.json()["store"] is False and r.json()["metadata"] == {"run": "1"}
+
+
+def test_an_empty_reply_is_an_empty_message_the_client_sends_back(served):
+    """A turn that ends at once had no output item, so a client returning the items it received left
+    the assistant turn out of its next request and the session could not continue it."""
+    server, engine = served(["", "Hello."])
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+    first = client.responses.create(model="scripted", input="Say nothing.")
+    [item] = first.output
+    assert (item.type, item.role, item.content[0].text, first.output_text) == ("message", "assistant", "", "")
+    items = [{"role": "user", "content": "Say nothing."}, item.model_dump(exclude_none=True),
+             {"role": "user", "content": "Now say hello."}]
+    assert client.responses.create(model="scripted", input=items).output_text == "Hello."
+    first_turn = engine.prompts[0] + engine.turns[0]
+    assert engine.turns[0] == [2]  # <|im_end|> alone
+    assert engine.prompts[1][:len(first_turn)] == first_turn  # the second request continued the first turn

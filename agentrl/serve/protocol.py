@@ -3,8 +3,8 @@ turn from a request's messages into the dicts a chat template renders.
 
 Only what a token-exact policy server can honour is accepted: one choice, no stop strings, no
 penalties or token biases, no tool choice but 'auto', no structured output, no top alternatives in
-`logprobs`, no limit of one call per turn (`parallel_tool_calls: false`), no output but text, none
-of the legacy `functions`/`function_call` fields. Such options are refused
+`logprobs`, no limit of one call per turn (`parallel_tool_calls: false`), no output but text, no
+reasoning effort, none of the legacy `functions`/`function_call` fields. Such options are refused
 with a message naming them rather than ignored, because ignoring them would hand a client
 something other than what it asked for; their neutral values (null, zero, `logit_bias: {}`,
 `response_format: {"type": "text"}`, `parallel_tool_calls: true`, `modalities: ["text"]`) are
@@ -116,6 +116,7 @@ class ChatRequest(_Strict):
     functions: list[Any] | None = None  # the legacy function-calling API
     function_call: str | dict[str, Any] | None = None
     user: str | None = None
+    reasoning_effort: str | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatRequest":
@@ -139,6 +140,7 @@ class ChatRequest(_Strict):
             (self.parallel_tool_calls is False,
              "parallel_tool_calls: false is not supported; the model may call several tools in one turn"),
             (self.modalities not in (None, ["text"]), 'modalities: only ["text"] is supported'),
+            (self.reasoning_effort is not None, "reasoning_effort: reasoning effort is not supported"),
         ]
         for problem, message in refused:
             if problem:

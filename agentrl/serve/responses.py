@@ -205,7 +205,7 @@ def response_object(request: ResponsesRequest, answer: dict[str, Any]) -> dict[s
     message, cut = choice["message"], choice["finish_reason"] == "length"
     status = "incomplete" if cut else "completed"
     output: list[dict[str, Any]] = []
-    if message["content"]:
+    if message["content"] or not message.get("tool_calls"):  # an empty reply is still a message the client returns
         logprobs = (choice["logprobs"] or {}).get("content") or []
         output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
                        "content": [{"type": "output_text", "text": message["content"], "annotations": [],
