@@ -137,6 +137,21 @@ def test_an_episode_that_ends_while_calling_tools_has_no_final_answer(tokenizer)
     assert traj.finish == "length" and "5678" in traj.messages[-1]["content"] and traj.reward == 0.0
 
 
+def test_an_answer_cut_off_by_the_token_limit_is_no_answer(tokenizer):
+    """'The total is 120 apples.' cut after '12' used to score as the answer 12."""
+    task = Task(id="c", prompt="How many apples?", answer="#### 12")
+    reply = "The total is 120 apples."
+    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    cut_at = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("12"))
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, [reply], stop=False), tokenizer, [], parse_hermes,
+                           EpisodeSettings(max_new_tokens_per_turn=cut_at), reward_fn=gsm8k_reward)
+    traj = asyncio.run(runner.run(task, group_id="g"))
+    assert traj.finish == "length" and traj.messages[-1] == {"role": "assistant", "content": "The total is 12",
+                                                             "truncated": True}
+    assert traj.reward == 0.0
+    assert gsm8k_reward(task, [{"role": "assistant", "content": "The total is 12"}]) == 1.0  # unmarked, it counts
+
+
 def test_interaction_yaml(tmp_path):
     factory = load_interaction("tool_configs/gsm8k_interaction.yaml")
     assert factory().max_attempts == 2 and factory() is not factory()

@@ -550,3 +550,11 @@ def test_agentrl_serve_subprocess_answers_the_openai_client(tiny_model_dir):
     assert proc.returncode == 0, stderr[-2000:]
     assert "agentrl serve: stopped" in stderr and "Traceback" not in stderr
     assert time.monotonic() - started < 60
+
+
+def test_an_agents_turn_cut_off_by_the_token_limit_is_no_answer(tokenizer):
+    """As in the builtin loop: a turn that ran out of tokens is recorded as `truncated`, and the
+    reward function does not take the number it stopped at for the answer (it scored 1.0)."""
+    traj = run_agent(calculator_agent, ScriptedEngine(tokenizer, [ANSWER], stop=False), tokenizer)
+    assert traj.error is None and traj.messages[-1] == {"role": "assistant", "content": ANSWER, "truncated": True}
+    assert traj.reward == 0.0 and traj.loss_mask.count(1) == len(tokenizer(ANSWER, add_special_tokens=False)["input_ids"])

@@ -19,11 +19,14 @@ def final_answer_text(messages: list[dict[str, Any]]) -> str:
     calls, a call block in its text (one cut off by the length limit, or malformed and answered
     by a tool message as an error) are not an answer. An episode that ran out of turns or context
     while calling tools gave none, and must not score on the numbers in its calls' arguments.
-    Content given as parts (OpenAI's list of `{"type": "text", "text": ...}`) is their text."""
+    Nor is a message the token limit cut off (`truncated`, as the episode loop marks it): "The
+    total is 120" cut after "12" is no answer of 12. Content given as parts (OpenAI's list of `{"type": "text", "text": ...}`) is their text."""
     for i in range(len(messages) - 1, -1, -1):
         message = messages[i]
         if message.get("role") != "assistant":
             continue
+        if message.get("truncated"):
+            return ""
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(part.get("text") or "" for part in content

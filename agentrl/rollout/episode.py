@@ -115,7 +115,8 @@ class EpisodeRunner:
                 text = self.renderer.decode(content_ids)
                 parsed = self.parser(text)
                 if completion.finish == "length":  # a cut-off turn ends the episode; nothing renders after it
-                    traj.messages.append({"role": "assistant", "content": text})
+                    # Marked, so a grader does not take the number it stopped at for an answer.
+                    traj.messages.append({"role": "assistant", "content": text, "truncated": True})
                     traj.finish = "length"
                     break
                 assistant, exact = self.renderer.assistant_message(traj.messages, text, parsed, completion.token_ids)

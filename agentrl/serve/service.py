@@ -184,9 +184,9 @@ class ChatService:
         """A sampled turn as recorded and as replied; one cut off by its budget carries no calls."""
         stopped = completion.finish == "stop"
         text = renderer.decode(completion.token_ids[:-1] if stopped else completion.token_ids)
-        if not stopped:
-            recorded = {"role": "assistant", "content": text}
-            return SampledTurn(recorded, dict(recorded), True, 0)
+        if not stopped:  # recorded as the episode loop records it: marked, so no grader takes it for an answer
+            return SampledTurn({"role": "assistant", "content": text, "truncated": True},
+                               {"role": "assistant", "content": text}, True, 0)
         parsed = self.parser(text)
         recorded, exact = renderer.assistant_message(history, text, parsed, completion.token_ids)
         if not parsed.calls:
