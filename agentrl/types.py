@@ -68,6 +68,14 @@ class Completion:
     weight_version: int
 
 
+# Metric names the episode loop and the agent runner give a trajectory; a tool's metric of the same
+# name would overwrite one (or make a successful episode report `error`), so a tool may not use them.
+EPISODE_METRICS = frozenset({
+    "error", "episode_s", "generated_tokens", "turns", "template_fallbacks", "outcome_reward",
+    "tool_step_reward", "tool_final_reward", "interaction_score", "interaction_invalid_scores",
+    "interaction_truncations", "session_turns", "segments", "history_rewrites", "dropped_generated_tokens"})
+
+
 @dataclass
 class Trajectory:
     """One sampled episode: prompt and every turn as one flat token sequence."""

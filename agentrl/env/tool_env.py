@@ -10,7 +10,12 @@ errors), and `tool_errors` counts the calls among them that did not return a res
 made, count in `tool_lifecycle_errors`. Every call into a tool goes through `call_plugin`: its
 timeout fires even for a tool that ignores cancellation, and a tool's `SystemExit` or own
 `CancelledError` fails that call only. A tool's metric may not reuse a counter's name (those
-above, and `tool/<name>/...`): it is dropped and counted in `tool_invalid_results`.
+above, and `tool/<name>/...`) or one the episode sets (`types.EPISODE_METRICS`: `error`, `turns`,
+`outcome_reward`, ...): it is dropped and counted in `tool_invalid_results`.
+
+Malformed call blocks are answered one message each up to the per-turn call limit, and the rest
+in one message: a turn of 60 empty `<tool_call>{}</tool_call>` blocks used to add 60 error messages
+to the context (each longer than the block it answers).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any, Callable
 from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import CallTimeout, call_plugin, failure_text
-from agentrl.types import Task, ToolCall
+from agentrl.types import EPISODE_METRICS, Task, ToolCall
 
 
 @dataclass
@@ -46,7 +51,7 @@ class ToolEnv:
         self.metrics: dict[str, float] = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
                                           "tool_lifecycle_errors": 0, "parse_errors": 0, "tool_truncations": 0,
                                           "tool_invalid_results": 0, "tool_latency_s": 0.0}
-        self.counters = frozenset(self.metrics)
+        self.counters = frozenset(self.metrics) | EPISODE_METRICS  # names a tool's metrics may not take
         self.step_rewards: list[float] = []
 
     async def start(self, episode_id: str, task: Task) -> None:
@@ -88,8 +93,13 @@ class ToolEnv:
             self._count(call.name, "errors")
             messages.append({"role": "tool", "name": call.name, "content":
                              f"Error: not run; at most {self.limits.max_calls_per_turn} tool calls per turn."})
-        for error in parsed.errors:
+        shown = parsed.errors[: self.limits.max_calls_per_turn]
+        for error in shown:
             messages.append({"role": "tool", "name": "parse_error", "content": f"Error: {error}"})
+        if len(parsed.errors) > len(shown):
+            messages.append({"role": "tool", "name": "parse_error", "content":
+                             f"Error: {len(parsed.errors) - len(shown)} more malformed tool calls were not read; "
+                             f"at most {self.limits.max_calls_per_turn} are answered per turn."})
         for message in messages:  # results, and errors too: an exception's message can be a megabyte
             message["content"], cut = self.truncate(message["content"])
             self.metrics["tool_truncations"] += int(cut)

@@ -97,8 +97,8 @@ class EpisodeRunner:
         try:  # from here on, whatever fails, the tools' and the interaction's instances are released
             await env.start(uuid.uuid4().hex[:12], task)
             interaction = self._new_interaction() if self.interaction_factory else None
-            if interaction:
-                await self._interaction_call(interaction.start(task))
+            if interaction:  # a copy, as tools get: what start changes must not reach the group's other episodes
+                await self._interaction_call(interaction.start(copy.deepcopy(task)))
             traj.messages = task.messages(s.system_prompt)
             traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
             while turns < s.max_turns:
@@ -208,7 +208,7 @@ class EpisodeRunner:
                 scores: list[float]) -> None:
         """The episode's reward: the outcome, plus the tool and interaction rewards the settings add."""
         s = self.settings
-        outcome = outcome_reward(self.reward_fn, task, copy.deepcopy(traj.messages))
+        outcome = outcome_reward(self.reward_fn, copy.deepcopy(task), copy.deepcopy(traj.messages))
         traj.reward = checked_total(outcome + (sum(step_rewards) if s.tool_step_rewards else 0.0)
                                     + (tool_final if s.tool_final_rewards else 0.0)
                                     + (sum(scores) if s.interaction_scores else 0.0))

@@ -232,7 +232,7 @@ class AgentRunner:
             traj.messages = task.messages(s.system_prompt)
             traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
         traj.finish = session.refused or traj.finish
-        outcome = outcome_reward(self.reward_fn, task, copy.deepcopy(traj.messages))
+        outcome = outcome_reward(self.reward_fn, copy.deepcopy(task), copy.deepcopy(traj.messages))
         traj.reward = checked_total(outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
                                     + (tool_final if s.tool_final_rewards else 0.0))
         traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(env.step_rewards),
