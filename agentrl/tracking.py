@@ -80,14 +80,15 @@ class RunLogger:
     """Records each step's metrics; use as a context manager or call `close()` at the end.
 
     `start_step` is the last step already done when a run resumes: metrics.jsonl keeps its lines up
-    to that step and drops later ones, and TensorBoard purges the events of later steps, so a killed
+    to that step (rewritten from the checkpoint's `history` when given) and drops later ones, and TensorBoard purges the events of later steps, so a killed
     and resumed run shows each step once. A fresh run (0) starts both from empty. A W&B run's id is
     kept in <run_dir>/wandb_run_id, and a resumed run logs into that W&B run again (W&B keeps the
     values it already has for steps past the checkpoint).
     """
 
     def __init__(self, run_dir: str | Path, config: Mapping[str, Any], total_steps: int,
-                 wandb: str | None = None, *, start_step: int = 0, progress: bool = True):
+                 wandb: str | None = None, *, start_step: int = 0, history: list[Mapping[str, Any]] | None = None,
+                 progress: bool = True):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self.run_dir = Path(run_dir)
@@ -103,7 +104,7 @@ class RunLogger:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         # The kept lines go to a new file that replaces the old one, so a crash here loses nothing.
         staging = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
-        staging.write_text("".join(self._kept_lines(start_step)))
+        staging.write_text("".join(self._kept_lines(start_step, history)))
         os.replace(staging, self.metrics_path)
         self._jsonl = self.metrics_path.open("a")
         # purge_step drops events at or after it that an earlier (killed or older) run left behind
@@ -112,7 +113,12 @@ class RunLogger:
         self._bar = (tqdm(total=total_steps, initial=start_step, desc="train", file=sys.stdout, dynamic_ncols=True)
                      if progress else None)
 
-    def _kept_lines(self, start_step: int) -> list[str]:
+    def _kept_lines(self, start_step: int, history: list[Mapping[str, Any]] | None) -> list[str]:
+        """The lines of steps up to `start_step`: from the checkpoint's `history` when it holds them
+        all (it was synced to disk; lines of metrics.jsonl may have been lost with the machine),
+        else those metrics.jsonl has."""
+        if start_step > 0 and history is not None and len(history) == start_step:
+            return [json.dumps(_record(step, metrics)) + "\n" for step, metrics in enumerate(history, start=1)]
         if start_step <= 0 or not self.metrics_path.is_file():
             return []
         kept = []
@@ -127,8 +133,7 @@ class RunLogger:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """One step: a JSONL line ({'step': step, **metrics}), scalars in TensorBoard and W&B, the bar."""
-        record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(_record(step, metrics)) + "\n")
         self._jsonl.flush()
         scalars = {tag_for(k): v for k, v in _numeric(metrics).items()}
         for tag, value in scalars.items():
@@ -161,3 +166,8 @@ class RunLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _record(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """One line of metrics.jsonl."""
+    return {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}

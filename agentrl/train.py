@@ -9,6 +9,7 @@ over ranks ('ray', trainer/launch.py); the driver makes the same calls either wa
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -133,9 +134,9 @@ def check_run_dir(config: RecipeConfig, run_dir: Path) -> None:
     """Before any model loads, what would otherwise fail or destroy something only at the end: a
     model directory this run will save over (final/, critic/, step_N/, kept when the run resumes)
     that holds other files, and a model or critic this run trains from inside one of them or
-    inside previous/. A run from step 0 moves the first into previous/ and replaces previous/;
-    either way the directory is gone when the run resumes, and a LoRA adapter saved over its own
-    base names itself."""
+    inside previous/. A run from step 0 moves the first into previous/ and previous/ to
+    previous.N/; either way the directory is gone when the run resumes, and a LoRA adapter saved
+    over its own base names itself."""
     if not run_dir.is_dir():
         return
     models = [run_dir / "final", run_dir / "critic", *(p for p in run_dir.iterdir() if STEP_MODEL.fullmatch(p.name))]
@@ -198,27 +199,39 @@ def _dotted(tree: dict, prefix: str = "") -> dict[str, object]:
 STEP_MODEL = re.compile(r"step_\d+")  # a step_N/ model directory (trainer.save_every)
 EARLIER_RUN = ("config.yaml", "checkpoints", "trajectories", "metrics.jsonl", "tensorboard", WANDB_RUN_ID, "final",
                "critic")
+# What other commands wrote about an earlier run's models: moved with it, not alone (an evaluation
+# of the base model made before the first run stays where it is).
+EARLIER_RESULTS = re.compile(r"eval_.+\.jsonl?|rollout\.jsonl|rollout_summary\.json|view\.html|plots|workers\.json")
 
 
 def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
     """A run that starts from step 0 in a directory an earlier run used moves that run's recipe,
-    checkpoints, trajectories, metrics and model directories (step_N/, final/, critic/) into
-    previous/ (replacing what an even earlier one left there). Left in place, the earlier run's
-    newer checkpoints would outrank this run's (pruning would delete this run's own, and
-    resume=auto would continue the other run), and its later trajectory files and step_N/ models
-    would show as this run's steps, its final/ as this run's result."""
+    checkpoints, trajectories, metrics and model directories (step_N/, final/, critic/), and the
+    evaluations, rollouts, views and plots made of it, into previous/. Left in place, the earlier
+    run's newer checkpoints would outrank this run's (pruning would delete this run's own, and
+    resume=auto would continue the other run), its later trajectory files and step_N/ models would
+    show as this run's steps, its final/ and eval_final.json as this run's results.
+
+    Nothing is deleted: a previous/ already there (an even earlier run, or the run a first restart
+    set aside before it failed) becomes previous.1/, previous.2/, ... in the order they were set
+    aside, so a second restart cannot lose the run the first one moved."""
     found = [name for name in EARLIER_RUN if (run_dir / name).exists()]
     steps = [p.name for p in run_dir.iterdir() if STEP_MODEL.fullmatch(p.name) and p.is_dir()]
     if not found and not steps:
         return
-    previous = run_dir / "previous"
-    shutil.rmtree(previous, ignore_errors=True)
+    results = sorted(p.name for p in run_dir.iterdir() if EARLIER_RESULTS.fullmatch(p.name))
+    previous, older = run_dir / "previous", None
+    if previous.exists() or previous.is_symlink():
+        older = next(run_dir / f"previous.{n}" for n in itertools.count(1)
+                     if not (run_dir / f"previous.{n}").exists() and not (run_dir / f"previous.{n}").is_symlink())
+        os.replace(previous, older)
     previous.mkdir()
-    for name in found + steps:
+    for name in found + steps + results:
         os.replace(run_dir / name, previous / name)
-    listed = ", ".join(found + ([f"{len(steps)} step_N/"] if steps else []))
+    listed = ", ".join(found + ([f"{len(steps)} step_N/"] if steps else []) + results)
     hint = "it had no checkpoint to resume" if resuming else "trainer.resume=auto continues a run instead"
-    print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous} ({hint})", file=sys.stderr)
+    kept = f"; the previous/ before it is now {older}" if older else ""
+    print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous} ({hint}){kept}", file=sys.stderr)
 
 
 def drop_steps_after(run_dir: Path, done: int) -> None:
@@ -254,7 +267,8 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
     # The dtypes `auto` chose (the probe is cached per process; Ray actors probe the same machine).
     dtypes = {"engine_bf16": float(choose_dtype(config.model.dtype, config.engine.device).dtype == "bfloat16"),
               "trainer_bf16": float(choose_dtype(t.dtype, t.device).dtype == "bfloat16")}
-    with RunLogger(run_dir, config.model_dump(mode="json"), t.steps, t.wandb_project, start_step=done) as logger:
+    with RunLogger(run_dir, config.model_dump(mode="json"), t.steps, t.wandb_project, start_step=done,
+                   history=history) as logger:
         for step in range(done + 1, t.steps + 1):
             tasks = [pool[i % len(pool)] for i in range((step - 1) * t.tasks_per_step, step * t.tasks_per_step)]
             clock = step_started = time.perf_counter()

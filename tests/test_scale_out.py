@@ -23,13 +23,13 @@ pytestmark = pytest.mark.timeout(900)
 
 REWARDS = '''
 import time
-from agentrl.env.rewards import final_answer_text
 
 
 def length_parity(task, messages):
-    """Mixed rewards from random replies; slow enough that a step can be interrupted mid-rollout."""
+    """Mixed rewards from random replies (the last as sampled, cut off or not); slow enough that a
+    step can be interrupted mid-rollout."""
     time.sleep(0.05)
-    return float(len(final_answer_text(messages)) % 2 == 0)
+    return float(len(messages[-1]["content"]) % 2 == 0)
 '''
 
 

@@ -160,12 +160,10 @@ def test_value_clip_limits_the_critic_step():
 
 
 REWARD_PLUGIN = '''
-from agentrl.env.rewards import final_answer_text
-
-
 def length_parity(task, messages):
-    """1.0 when the final reply has an even number of characters: random replies give mixed rewards."""
-    return float(len(final_answer_text(messages)) % 2 == 0)
+    """1.0 when the last reply as sampled (cut off or not) has an even number of characters: random
+    replies give mixed rewards."""
+    return float(len(messages[-1]["content"]) % 2 == 0)
 '''
 
 REQUIRED_METRICS = {
@@ -478,15 +476,12 @@ def test_the_kl_in_the_reward_is_reported_as_kl_ref_like_the_kl_loss():
 
 
 RAISING_REWARDS = '''
-from agentrl.env.rewards import final_answer_text
-
-
 def always_broken(task, messages):
     raise ConnectionError("judge service unreachable")
 
 
 def sometimes_broken(task, messages):
-    text = final_answer_text(messages)
+    text = messages[-1]["content"]  # the last turn as sampled: a cut-off one has no final answer
     if len(text) % 3 == 0:
         raise ConnectionError("judge service unreachable")
     return float(len(text) % 2 == 0)

@@ -84,17 +84,24 @@ def check_replaceable(path: str | Path, key: str | None = None) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yields a staging directory; on success it replaces `path`, which check_replaceable allows."""
+    """Yields a staging directory; on success it replaces `path`, which check_replaceable allows.
+
+    The old directory is renamed aside before the new one is renamed in, and deleted only after:
+    deleted in place, file by file, a signal in between (a scheduler's time limit) left a model
+    directory without its config.json, which every later launch refused."""
     path = Path(path)
     check_replaceable(path)
-    staging = path.with_name(path.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    for leftover in (staging, old):  # of a save interrupted before
+        shutil.rmtree(leftover, ignore_errors=True)
     staging.mkdir(parents=True)
     yield staging
     sync_tree(staging)  # on disk before the old directory goes (see commit_checkpoint)
-    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
     os.replace(staging, path)
     _sync_directory(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
