@@ -12,6 +12,7 @@ into it.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,15 @@ def check_training(config: RecipeConfig) -> None:
         raise ConfigError(f"trainer.resume 'auto' continues from the newest checkpoint, and trainer.save_every "
                           f"{t.save_every} writes none in {t.steps} steps: a relaunch would start over; set "
                           "trainer.save_every between 1 and trainer.steps")
+    w = config.reward
+    if not (w.tool_step_rewards or w.tool_final_rewards or w.interaction_scores):  # the outcome is the only reward
+        if w.function is None:
+            raise ConfigError("reward.function: null, and reward.tool_step_rewards, tool_final_rewards and "
+                              "interaction_scores are false: every reward would be 0 and nothing is learnt")
+        if config.data.answer_key is None and config.data.source != "arithmetic" and \
+                w.function == "agentrl.env.rewards:gsm8k_reward":  # (arithmetic tasks carry answers)
+            raise ConfigError("data.answer_key: null, so reward.function (gsm8k_reward) has no answer to compare "
+                              "with: every reward would be 0 and nothing is learnt")
     if a.kl_in_reward and a.kl_coef == 0:
         raise ConfigError("algorithm.kl_in_reward needs algorithm.kl_coef > 0")
     if a.kl_coef > 0 and not a.kl_in_reward and a.kl_estimator == "k1":
@@ -245,15 +255,25 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training
     try:
         config = RecipeConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{blamed(e, overrides) or source}: {describe_error(e)}") from None
+        message = describe_error(e)
+        raise ConfigError(f"{blamed(e, overrides) or named_in(message, overrides) or source}: {message}") from None
     try:
         if for_training:
             check_training(config)
         check_devices(config, devices)
         check_output_dirs(config, outputs)
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(f"{named_in(str(e), overrides) or source}: {e}") from None
     return config
+
+
+def named_in(message: str, overrides: list[str]) -> str | None:
+    """"override '<it>'" for the last override whose key `message` names: a check over several keys
+    (a whole section's, or one made after validation) says which keys it is about, not where the
+    value came from."""
+    named = [o for o in overrides
+             if re.search(rf"(?<![\w.]){re.escape(o.partition('=')[0].strip())}(?![\w.])", message)]
+    return f"override '{named[-1]}'" if named else None
 
 
 def blamed(e: ValidationError, overrides: list[str]) -> str | None:
@@ -264,6 +284,8 @@ def blamed(e: ValidationError, overrides: list[str]) -> str | None:
     def sets_it(override: str) -> bool:
         key, _, raw = override.partition("=")
         parts = key.split(".")
+        if where and len(parts) > len(where) and parts[: len(where)] == where:
+            return True  # it sets something inside what the error is about ('foo.bar=1': unknown key 'foo')
         if not where or where[: len(parts)] != parts:
             return False
         try:  # a mapping given for a section: does it hold the rest of the path?

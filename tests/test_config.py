@@ -130,6 +130,10 @@ def test_gsm8k_recipe_header_overrides_make_a_cpu_run():
     (["trainer.mini_batches=64"], "trainer.mini_batches (64) is more than the episodes of a step "
                                   "(rollout.group_size × trainer.tasks_per_step = 32)"),
     (["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward needs algorithm.kl_coef > 0"),
+    (["reward.function=null"], "reward.function: null, and reward.tool_step_rewards, tool_final_rewards and "
+                               "interaction_scores are false: every reward would be 0 and nothing is learnt"),
+    (["data.source=files", "data.files=[tasks.jsonl]", "data.answer_key=null"],
+     "data.answer_key: null, so reward.function (gsm8k_reward) has no answer to compare with"),
     (["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1"],
      "algorithm.kl_estimator 'k1' as a loss term (algorithm.kl_in_reward false) has a gradient of zero in expectation"),
     (["trainer.resume=auto"], "trainer.resume 'auto' continues from the newest checkpoint, and trainer.save_every 0 "
@@ -143,7 +147,8 @@ def test_train_rejects_groups_it_cannot_learn_from_when_the_recipe_loads(overrid
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()  # one line, before any model code ran
-    assert line.startswith(f"agentrl: error: recipes/quickstart.yaml: {message}"), line
+    # the override is named: each message names the key the last override set
+    assert line.startswith(f"agentrl: error: override '{overrides[-1]}': {message}"), line
 
 
 TOP_P_WARNING = ("agentrl: warning: rollout.top_p 0.9 samples from the nucleus only, but the update's importance "
@@ -261,12 +266,18 @@ def test_merge_keys_may_override_what_they_merge(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["trainer.bf16_autocast=maybe"], "trainer.bf16_autocast: expected true or false (got 'maybe'); "
-                                      "trainer.dtype replaces it"),
-    (["sft.bf16_autocast=null"], "sft.bf16_autocast: expected true or false (got None); sft.dtype replaces it"),
+    # a section's check names its keys: the last override setting one of them is named (it was
+    # '<defaults>', the recipe, for a value the recipe never wrote)
+    (["trainer.bf16_autocast=maybe"], "override 'trainer.bf16_autocast=maybe': trainer.bf16_autocast: expected "
+                                      "true or false (got 'maybe'); trainer.dtype replaces it"),
+    (["sft.bf16_autocast=null"], "override 'sft.bf16_autocast=null': sft.bf16_autocast: expected true or false "
+                                 "(got None); sft.dtype replaces it"),
     (["trainer.bf16_autocast=true", "trainer.dtype=float32"],
-     "trainer.bf16_autocast and trainer.dtype are both set; keep only dtype"),
-    (["data.arithmetic.min_digits=5"], "data.arithmetic.min_digits is larger than max_digits"),
+     "override 'trainer.dtype=float32': trainer.bf16_autocast and trainer.dtype are both set; keep only dtype"),
+    (["data.arithmetic.min_digits=5"], "override 'data.arithmetic.min_digits=5': data.arithmetic.min_digits is "
+                                       "larger than max_digits"),
+    (["data.arithmetic.max_digits=2", "data.arithmetic.min_digits=3", "trainer.steps=3"],
+     "override 'data.arithmetic.min_digits=3': data.arithmetic.min_digits is larger than max_digits"),
     # a field's own check: the override that set it is named
     (["engine.device=gpu"], "override 'engine.device=gpu': engine.device: expected 'cpu', 'cuda' or 'cuda:N' "
                             "(got 'gpu')"),
@@ -276,7 +287,7 @@ def test_merge_keys_may_override_what_they_merge(tmp_path):
 def test_section_checks_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_recipe(None, overrides)
-    assert str(err.value) == (message if message.startswith("override") else f"<defaults>: {message}")
+    assert str(err.value) == message
 
 
 @pytest.mark.parametrize("available,count,device,seen", [
@@ -289,7 +300,7 @@ def test_a_cuda_device_that_is_not_there_is_a_config_error(monkeypatch, availabl
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     with pytest.raises(ConfigError) as err:
         load_recipe(None, [f"trainer.device={device}"], devices=("engine.device", "trainer.device"))
-    assert str(err.value) == (f"<defaults>: trainer.device: '{device}' is not available "
+    assert str(err.value) == (f"override 'trainer.device={device}': trainer.device: '{device}' is not available "
                               f"(torch {torch.__version__} sees {seen})")
     load_recipe(None, [f"trainer.device={device}"], devices=("engine.device",))  # a device the command does not use
     if available:
@@ -302,8 +313,8 @@ def test_cli_checks_the_cuda_device_before_loading_anything():
                           timeout=120)
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith("agentrl: error: recipes/rollout_cpu.yaml: engine.device: 'cuda:99' is not available "
-                           "(torch "), line
+    assert line.startswith("agentrl: error: override 'engine.device=cuda:99': engine.device: 'cuda:99' is not "
+                           "available (torch "), line
 
 
 def test_a_broken_chat_template_stops_at_load(tmp_path, tiny_model_dir):
@@ -376,13 +387,13 @@ def test_an_output_directory_that_cannot_be_made_stops_the_command_first(tmp_pat
         done = subprocess.run([sys.executable, "-m", "agentrl.cli", command, "recipes/quickstart.yaml",
                                f"{key}={value}", "model.path=/nonexistent", "sft.base_model=/nonexistent"],
                               capture_output=True, text=True, timeout=120)
-        assert (done.returncode, done.stderr) == (2, f"agentrl: error: recipes/quickstart.yaml: {key}: {message}\n")
+        assert (done.returncode, done.stderr) == (2, f"agentrl: error: override '{key}={value}': {key}: {message}\n")
     # Where no file can be made, whatever the permission bits tell root (os.access said yes to /proc).
     done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/quickstart.yaml",
                            "output_dir=/proc/agentrl-run", "model.path=/nonexistent"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith(
-        "agentrl: error: recipes/quickstart.yaml: output_dir: '/proc' is not writable ("), done.stderr
+        "agentrl: error: override 'output_dir=/proc/agentrl-run': output_dir: '/proc' is not writable ("), done.stderr
 
 
 def test_a_command_without_its_recipe_names_only_the_recipe_as_missing():

@@ -223,5 +223,5 @@ def test_sft_trains_on_the_trainers_device(tmp_path, tiny_model_dir, monkeypatch
         return
     capsys.readouterr()
     assert main(["sft", "recipes/quickstart.yaml", "trainer.device=cuda:0"]) == 2
-    assert capsys.readouterr().err == ("agentrl: error: recipes/quickstart.yaml: trainer.device: 'cuda:0' is not "
-                                       f"available (torch {torch.__version__} sees no CUDA device)\n")
+    assert capsys.readouterr().err == ("agentrl: error: override 'trainer.device=cuda:0': trainer.device: 'cuda:0' "
+                                       f"is not available (torch {torch.__version__} sees no CUDA device)\n")
