@@ -8,6 +8,7 @@ engine's memory and that resume gives the same greedy output.
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import contextmanager
 from importlib.util import find_spec
 
@@ -125,7 +126,7 @@ def test_torch_saver_rejects_unknown_tags():
 def test_release_frees_the_engines_gpu_memory_and_resume_gives_the_same_output(smollm2_dir):
     saver = memory_saver_for("cuda")
     assert saver.enabled
-    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # CUDA context and cuBLAS first
+    torch.zeros(1, device="cuda")  # the CUDA context first; cuBLAS is the saver's to warm, outside its regions
     torch.cuda.synchronize()
     free_start = torch.cuda.mem_get_info()[0]
     with saver.region("weights"):
@@ -137,12 +138,25 @@ def test_release_frees_the_engines_gpu_memory_and_resume_gives_the_same_output(s
     engine_bytes = free_start - torch.cuda.mem_get_info()[0]  # weights plus the KV-cache pool
     weight_bytes = sum(t.nbytes for t in model.state_dict().values())
     assert engine_bytes >= weight_bytes
+    asyncio.run(engine.generate(PROMPT, greedy(4)))  # in the decode thread, whose cuBLAS handle outlives it
+    assert engine.wait_idle()
     # torch's memory_reserved() cannot see this: torch-memory-saver unmaps the pages behind the
     # allocator's back, so the driver's free memory is what measures the release.
     free_before = torch.cuda.mem_get_info()[0]
     engine.release_memory()
     freed = torch.cuda.mem_get_info()[0] - free_before
     assert freed >= 0.9 * engine_bytes, (freed, engine_bytes)
+    products: list[float] = []
+
+    def train_step() -> None:  # the trainer's products meanwhile: a new thread takes the decode thread's handle
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(128, 128, device="cuda", dtype=dtype)  # 129 per entry: exact in bfloat16 too
+            products.append(torch.nn.functional.linear(x, x, x[0]).float().sum().item())
+
+    trainer = threading.Thread(target=train_step)
+    trainer.start()
+    trainer.join()
+    assert products == [129.0 * 128 * 128] * 2
     engine.resume_memory(("weights",))
     engine.resume_memory(("kv_cache",))
     after = engine.generate_batch(prompts, [greedy(64)] * 8)

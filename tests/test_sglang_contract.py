@@ -146,10 +146,16 @@ class RestrictedUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+# The /server_info fields the engine reads (a real one holds every ServerArgs field and more).
+SERVER_INFO = {"enable_memory_saver": True, "device": "cuda", "context_length": None, "max_total_num_tokens": 400000,
+               "max_req_input_len": 32762}
+
+
 class FakeServer:
     """Answers like SGLang's HTTP server (shapes taken from a real one) and records each request."""
 
     def __init__(self, failures: int = 0):
+        self.info = dict(SERVER_INFO)
         self.requests: list[tuple[str, str, dict]] = []
         self.failures = failures  # connection errors before the first answer
         self.loaded: list[dict[str, dict[str, torch.Tensor]]] = []  # shards of each disk update
@@ -164,6 +170,8 @@ class FakeServer:
         self.queries.append(dict(request.url.params))
         if request.url.path == "/update_weights_from_disk":  # read now: the next update deletes the files
             self.loaded.append({f.name: load_file(f) for f in sorted(Path(body["model_path"]).iterdir())})
+        if request.url.path == "/server_info":
+            return httpx.Response(200, json=self.info)
         if request.url.path != "/generate":
             return httpx.Response(200, json=None)
         if body["sampling_params"]["max_new_tokens"] == 0:  # a score request
@@ -186,6 +194,9 @@ def fake_server(monkeypatch):
 
 
 def check_against_api(method: str, path: str, body: dict, query: dict | None = None) -> None:
+    if path == "/server_info":  # not in the snapshot: test_sglang_checks.py checks it against SGLang's source
+        assert method == "GET" and not body and not query
+        return
     route = API["routes"][path]
     assert method in route["methods"], (method, path)
     assert set(query or {}) <= set(route["params"]), (path, query)
@@ -210,11 +221,10 @@ async def test_server_engine_requests_are_sglang_requests(fake_server):
     assert engine.weight_version == 3
 
     paths = [(m, p) for m, p, _ in fake_server.requests]
-    assert paths == [("GET", "/health_generate"), ("POST", "/generate"), ("POST", "/generate"),
+    assert paths == [("GET", "/health_generate"), ("GET", "/server_info"), ("POST", "/generate"), ("POST", "/generate"),
                      ("POST", "/flush_cache"), ("POST", "/release_memory_occupation"),
-                     ("POST", "/resume_memory_occupation"), ("POST", "/update_weights_from_tensor"),
-                     ("POST", "/update_weights_from_tensor"), ("POST", "/flush_cache"),
-                     ("POST", "/resume_memory_occupation")]
+                     ("POST", "/resume_memory_occupation")] + [("POST", "/update_weights_from_tensor")] * 3 + [
+                     ("POST", "/flush_cache"), ("POST", "/resume_memory_occupation")]
     for (method, path, body), query in zip(fake_server.requests, fake_server.queries):
         check_against_api(method, path, body, query)
         if "sampling_params" in body:
@@ -224,9 +234,10 @@ async def test_server_engine_requests_are_sglang_requests(fake_server):
         [{"timeout": "60.0"}] * 2
     tags = [body["tags"] for _, path, body in fake_server.requests if "memory" in path]
     assert tags == [["weights", "kv_cache", "cuda_graph"], ["weights"], ["kv_cache", "cuda_graph"]]
-    # Two buckets of at most 48 bytes, one payload per tensor-parallel rank, each a pickle SGLang accepts.
+    # By value, buckets of at most 48 / tp_size = 24 bytes, so that a body holding one payload per
+    # tensor-parallel rank stays within 48 bytes of tensors; each payload a pickle SGLang accepts.
     updates = [body for _, path, body in fake_server.requests if path == "/update_weights_from_tensor"]
-    assert [u["flush_cache"] for u in updates] == [False, False]
+    assert [u["flush_cache"] for u in updates] == [False, False, False]
     received = []
     for update in updates:
         first, second = update["serialized_named_tensors"]
@@ -244,11 +255,11 @@ def test_cpu_weights_reach_a_loopback_server_through_safetensors_shards(fake_ser
     engine.update_weights(iter(weights), version=1, flush_cache=False)
     first_dir = Path(fake_server.requests[-1][2]["model_path"])
     engine.update_weights(iter(weights[:1]), version=2)
-    assert [p for _, p, _ in fake_server.requests] == ["/health_generate", "/update_weights_from_disk",
+    assert [p for _, p, _ in fake_server.requests] == ["/health_generate", "/server_info", "/update_weights_from_disk",
                                                        "/update_weights_from_disk", "/flush_cache"]
     for method, path, body in fake_server.requests:
         check_against_api(method, path, body)
-    assert fake_server.requests[1][2]["flush_cache"] is False
+    assert fake_server.requests[2][2]["flush_cache"] is False
     # Buckets of at most 40 bytes become shards; the tied lm_head, in a bucket of its own, goes under its name.
     assert [{k: v.tolist() for k, v in shard.items()} for shard in fake_server.loaded[0].values()] == [
         {"embed": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "norm": [1.0] * 4}, {"lm_head": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]},
@@ -296,7 +307,8 @@ def test_server_engine_retries_then_names_url_route_and_cause(monkeypatch):
     monkeypatch.setattr(sglang_server.time, "sleep", lambda s: None)
     engine = SGLangServerEngine("http://127.0.0.1:9/", {})  # the health check only answers on its third try
     engine.update_weights([("w", torch.ones(1))], version=1)  # retried posts reach the server
-    assert [p for _, p, _ in server.requests] == ["/health_generate", "/update_weights_from_disk", "/flush_cache"]
+    assert [p for _, p, _ in server.requests] == ["/health_generate", "/server_info", "/update_weights_from_disk",
+                                                  "/flush_cache"]
     server.failures = 3
     with pytest.raises(RuntimeError, match=r"^SGLang server at http://127.0.0.1:9: POST /flush_cache failed "
                                            r"\(ConnectError: connection refused\)$"):
@@ -374,6 +386,7 @@ def test_a_server_that_never_answers_the_connection_fails_within_timeout_s(monke
         fillers.append(filler)
     time.sleep(0.2)
     monkeypatch.setattr(SGLangServerEngine, "check_health", lambda self: None)
+    monkeypatch.setattr(SGLangServerEngine, "_read_server_info", lambda self: {})
     engine = SGLangServerEngine(f"http://127.0.0.1:{black_hole.getsockname()[1]}", {}, timeout_s=2.0)
     try:
         for name, request in (("generate", lambda: asyncio.run(engine.generate([1, 2], SamplingParams(4)))),
@@ -554,7 +567,7 @@ def test_a_training_run_deletes_its_weight_files_and_stops_its_tool_servers_when
         rollout: {{group_size: 2, max_turns: 1, max_new_tokens_per_turn: 4,
                    tool_configs: ['{mcp_file(tmp_path, ["multiply"], marker)}']}}
         trainer: {{steps: 2, tasks_per_step: 1, dtype: float32, backend: {backend}}}
-        reward: {{function: null}}
+        reward: {{function: null, tool_step_rewards: true}}
     """))
 
     if backend == "local":

@@ -92,6 +92,8 @@ class HFEngine:
     def _serve(self) -> None:
         """The decode thread: one running batch after another until no request waits."""
         try:
+            if self.device.type == "cuda":  # a new thread starts on device 0, whatever the engine's is
+                torch.cuda.set_device(self.device)
             while self._serve_one():
                 pass
         except BaseException:  # something unforeseen broke: the next request starts a new thread

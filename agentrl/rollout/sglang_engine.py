@@ -13,6 +13,10 @@ Engine's synchronous methods are pointed at that thread. Weights go over in buck
 cache flush. Memory is released as SGLang's tagged regions; the driver takes back "weights" before
 a weight update and "kv_cache" only after it.
 
+Before the engine starts, and again once it runs, rollout.max_context_tokens is checked against the
+longest prompt SGLang accepts (it aborts longer ones: an episode near the limit would end in an
+error instead of finish "length").
+
 This is the only module that imports sglang, always inside a function. The HTTP client is in
 sglang_server.py and shares the request building and response parsing below. Neither is used by
 the transformers engine.
@@ -40,6 +44,12 @@ MEMORY_TAGS = ("weights", "kv_cache")
 IDLE_TIMEOUT_S = 60.0  # how long a flush may wait for SGLang's scheduler to finish its last batch
 # SGLang's regions behind each tag; CUDA graphs are scratch like the KV cache and come back with it.
 _SGLANG_REGIONS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+# SGLang's scheduler aborts a prompt of max_req_input_len = min(context_len - 1, max_total_tokens - 1) - 5
+# tokens or more (tp_worker.get_worker_info), and an episode's prompt reaches max_context_tokens - 1.
+CONTEXT_MARGIN = 6
+# Where SGLang reads a model's context length (get_context_length), in its order.
+_CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                        "max_position_embeddings")
 
 
 def server_args(model_path: str, device: str, dtype: str, seed: int, s: SGLangConfig) -> dict[str, Any]:
@@ -61,6 +71,66 @@ def server_args(model_path: str, device: str, dtype: str, seed: int, s: SGLangCo
     if cpu:
         args["disable_overlap_schedule"] = True  # overlap needs a device stream to hide the CPU work behind
     return {**args, **s.extra_args}
+
+
+def model_context_length(model_path: str) -> int | None:
+    """The context length SGLang derives from the model's config (its get_context_length: the first
+    length key, times a rope scaling factor unless the config gives the original length); None when
+    the config cannot be read here (the engine's own limit is checked once it runs)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path).get_text_config()
+    except (OSError, ValueError, KeyError):
+        return None
+    rope = getattr(config, "rope_scaling", None) or {}
+    factor = 1 if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3" \
+        else rope.get("factor", 1)
+    for key in _CONTEXT_LENGTH_KEYS:
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(factor * value)
+    return 2048  # SGLang's default when the config names none
+
+
+def check_context(config: RecipeConfig, args: dict[str, Any]) -> None:
+    """Before SGLang starts: rollout.max_context_tokens within what it serves with `args`, from its
+    context_length (given in extra_args, or the model's) and max_total_tokens (when given)."""
+    s = config.engine.sglang
+    limits = []
+    if args.get("context_length") is not None:
+        limits.append((int(args["context_length"]), "engine.sglang.extra_args.context_length"))
+    else:
+        derived = model_context_length(args["model_path"])
+        if derived is not None:
+            limits.append((derived, f"the context length of model.path '{config.model.path}'"))
+    if args.get("max_total_tokens") is not None:
+        key = "engine.sglang.extra_args.max_total_tokens" if "max_total_tokens" in s.extra_args \
+            else "engine.sglang.max_total_tokens"
+        limits.append((int(args["max_total_tokens"]), key))
+    if limits:
+        tokens, source = min(limits)
+        _check_prompt_limit(config, tokens - CONTEXT_MARGIN, f"{source} ({tokens}) - {CONTEXT_MARGIN}")
+
+
+def check_served_context(config: RecipeConfig, max_req_input_len: int | None) -> None:
+    """Once SGLang runs: rollout.max_context_tokens within the prompt limit its scheduler reports
+    (its KV cache, sized from engine.sglang.mem_fraction, may hold fewer tokens than the context)."""
+    if max_req_input_len is None:
+        return
+    s = config.engine.sglang
+    sizes = f"the server's at engine.sglang.url '{s.url}'" if s.mode == "server" and s.url is not None \
+        else "engine.sglang.mem_fraction or engine.sglang.max_total_tokens"
+    _check_prompt_limit(config, int(max_req_input_len), f"the engine's max_req_input_len: the smaller of its context "
+                        f"length and its KV-cache tokens ({sizes}), less 6")
+
+
+def _check_prompt_limit(config: RecipeConfig, limit: int, why: str) -> None:
+    n = config.rollout.max_context_tokens
+    if n > limit:  # the episode's last prompts would end in SGLang's error instead of finish "length"
+        raise ConfigError(f"rollout.max_context_tokens ({n}) is more than SGLang serves: it refuses a prompt of "
+                          f"{limit} tokens or more ({why}), and an episode's prompt reaches "
+                          f"rollout.max_context_tokens - 1; set rollout.max_context_tokens to {limit} or less")
 
 
 def sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
@@ -129,6 +199,14 @@ class ReleasedRegions:
         return [r for tag in wanted for r in _SGLANG_REGIONS[tag] if r in self.released]
 
 
+def empty_torch_cache() -> None:
+    """Give the memory PyTorch's caching allocator holds but no tensor uses (the trainer's freed
+    activations and gradients) back to the driver before SGLang maps its regions again: SGLang's
+    allocations cannot use that cache, and a resume that runs out of memory kills its scheduler.
+    Every device's cache, the engine's included; nothing when this process never used CUDA."""
+    torch.cuda.empty_cache()
+
+
 class _LoopThread:
     """An asyncio loop in a daemon thread; `run_until_complete` is what sglang.Engine calls on its loop."""
 
@@ -168,6 +246,8 @@ class SGLangEngine:
         self._engine = sglang.Engine(**args)
         self._thread = _LoopThread()
         self._engine.loop = self._thread  # its synchronous calls now run on the thread's loop
+        # The longest prompt the scheduler accepts (a longer one is aborted), as the scheduler reported it.
+        self.max_req_input_len: int | None = getattr(self._engine.tokenizer_manager, "max_req_input_len", None)
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
         if not token_ids:
@@ -232,6 +312,7 @@ class SGLangEngine:
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
         regions = self._regions.to_resume(tags)
         if regions:
+            empty_torch_cache()
             self._engine.resume_memory_occupation(tags=regions)
             self._regions.released.difference_update(regions)
 
@@ -251,8 +332,18 @@ def build_sglang_engine(config: RecipeConfig) -> Engine:
                           "\"agentrl[sglang]\"; on CPU: the environment `make test-sglang` builds)")
     dtype = choose_dtype(config.model.dtype, config.engine.device).dtype
     args = server_args(resolve_model(config.model.path), config.engine.device, dtype, config.engine.seed, s)
+    if s.mode == "in_process" or s.url is None:  # a given server runs with its own arguments: checked at connect
+        check_context(config, args)  # before the engine starts, as far as its arguments tell
+    engine: SGLangEngine | Any
     if s.mode == "server":
         from agentrl.rollout.sglang_server import SGLangServerEngine
 
-        return SGLangServerEngine(s.url, args, s.update_bucket_bytes, s.timeout_s)
-    return SGLangEngine(args, s.update_bucket_bytes)
+        engine = SGLangServerEngine(s.url, args, s.update_bucket_bytes, s.timeout_s)
+    else:
+        engine = SGLangEngine(args, s.update_bucket_bytes)
+    try:
+        check_served_context(config, engine.max_req_input_len)
+    except ConfigError:
+        engine.close()
+        raise
+    return engine

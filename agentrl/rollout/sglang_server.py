@@ -2,11 +2,13 @@
 
 The same protocol as the in-process engine, through SGLang's routes: /generate (input_ids in,
 output_ids and logprobs out), /update_weights_from_tensor or /update_weights_from_disk, /flush_cache,
-/release_memory_occupation, /resume_memory_occupation and /health_generate. Every request has a
-timeout; one that cannot reach the server is retried with backoff (one that timed out waiting for
-its answer is not: it may still be running there), and if it still fails the error names the URL,
-the route and the cause (and the launched server's exit code and log tail): a dead server stops
-the run instead of hanging it.
+/release_memory_occupation, /resume_memory_occupation, /health_generate and /server_info (read once
+at connect: the longest prompt the scheduler accepts, and whether the server can release its
+memory; one without --enable-memory-saver answers a release with 200 and frees nothing, which gets
+a warning at the first release). Every request has a timeout; one that cannot reach the server is
+retried with backoff (one that timed out waiting for its answer is not: it may still be running
+there), and if it still fails the error names the URL, the route and the cause (and the launched
+server's exit code and log tail): a dead server stops the run instead of hanging it.
 
 Weights go by where the server is and where the tensors are (`weight_transfer="auto"`):
 - CUDA tensors, loopback server: /update_weights_from_tensor with pickled CUDA IPC handles, as
@@ -16,7 +18,9 @@ Weights go by where the server is and where the tensors are (`weight_transfer="a
   own child processes can receive), and the bytes in the JSON body are slow: base64 plus SGLang's
   parsing took 56 s for SmolLM2's 538 MB on a 2-core CPU, the disk 2.6 s.
 - a server on another host: /update_weights_from_tensor by value (a plain pickle, base64, which
-  SGLang's restricted unpickler accepts), bucket by bucket.
+  SGLang's restricted unpickler accepts), bucket by bucket, in buckets of update_bucket_bytes /
+  tp_size since the body repeats the bytes for every tensor-parallel rank.
+With handles, every rank gets a pickle of its own, as SGLang's Engine sends them.
 
 This module does not import sglang: sglang_launch.py starts `python -m sglang.launch_server` as a
 subprocess.
@@ -31,6 +35,7 @@ import io
 import pickle
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -42,8 +47,8 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from agentrl.rollout.sglang_engine import (IDLE_TIMEOUT_S, ReleasedRegions, check_score_args, prompt_logprobs,
-                                           sampling_dict, to_completion, weight_buckets)
+from agentrl.rollout.sglang_engine import (IDLE_TIMEOUT_S, ReleasedRegions, check_score_args, empty_torch_cache,
+                                           prompt_logprobs, sampling_dict, to_completion, weight_buckets)
 from agentrl.rollout.sglang_launch import launch_server, log_tail, stop_server
 from agentrl.types import Completion, SamplingParams
 
@@ -121,11 +126,15 @@ class SGLangServerEngine:
         self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
         self._clients: dict[asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, AsyncIterator[None]]] = {}
         self._clients_lock = threading.Lock()  # loops in several threads may ask for theirs (_async_client)
+        self._warned_no_saver = False
         try:
             self.check_health()
+            self.server_info = self._read_server_info()
         except BaseException:  # a server launched above is stopped, not left to the process's exit
             self.close()
             raise
+        # The longest prompt the scheduler accepts (a longer one is aborted), as the server reports it.
+        self.max_req_input_len: int | None = self.server_info.get("max_req_input_len")
 
     def _failure(self, route: str, cause: str) -> RuntimeError:
         where = f"SGLang server at {self.url}: {route} failed ({cause})"
@@ -166,6 +175,23 @@ class SGLangServerEngine:
     def check_health(self) -> None:
         """One token through the scheduler (/health_generate); raises naming the URL when it is down."""
         self._send("GET", "/health_generate", None, timeout=min(self.timeout_s, 60.0))
+
+    def _read_server_info(self) -> dict[str, Any]:
+        """/server_info: the server's arguments and its scheduler's limits. A server that does not
+        answer it with them (a router in front of several servers) gets a warning, and the checks
+        that read it (the prompt limit, the memory saver) are skipped."""
+        route = "GET /server_info"
+        try:
+            info = self._send("GET", "/server_info", None, timeout=min(self.timeout_s, 60.0)).json()
+        except (RuntimeError, ValueError) as e:
+            info, cause = None, str(e)
+        else:
+            cause = "its answer is not a JSON object"
+        if not isinstance(info, dict):
+            print(f"agentrl: warning: SGLang server at {self.url}: {route} failed ({cause}); the checks of its "
+                  "prompt limit and memory saver are skipped", file=sys.stderr)
+            return {}
+        return info
 
     async def _async_client(self) -> httpx.AsyncClient:
         """This event loop's client (each rollout has a loop of its own; loops in other threads may
@@ -233,23 +259,36 @@ class SGLangServerEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush_cache: bool = True) -> None:
-        buckets = weight_buckets(named_tensors, self.update_bucket_bytes)
-        first = next(buckets, None)
+        tensors = iter(named_tensors)
+        first = next(tensors, None)
         if first is not None:
-            on_cpu = not first[0][1].is_cuda
-            buckets = _prepended(first, buckets)
-            del first  # freed once sent, as every other bucket is
+            on_cpu = not first[1].is_cuda
+            tensors = _prepended(first, tensors)
+            del first  # freed once sent, as every other tensor is
             loopback = urlparse(self.url).hostname in LOOPBACK
             if self.weight_transfer == "disk" or (self.weight_transfer == "auto" and loopback and on_cpu):
-                self._update_from_disk(buckets)
+                self._update_from_disk(weight_buckets(tensors, self.update_bucket_bytes))
             else:
-                for bucket in buckets:
-                    payload = serialize_bucket(bucket, by_handle=loopback and all(t.is_cuda for _, t in bucket))
-                    self._post("/update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp_size,
-                                                               "flush_cache": False})
+                # By value, the body carries the bucket's bytes once per rank: a bucket of
+                # update_bucket_bytes / tp_size keeps each request within update_bucket_bytes.
+                by_value = not loopback or on_cpu
+                size = max(1, self.update_bucket_bytes // self.tp_size) if by_value else self.update_bucket_bytes
+                for bucket in weight_buckets(tensors, size):
+                    by_handle = loopback and all(t.is_cuda for _, t in bucket)
+                    self._post("/update_weights_from_tensor", {"serialized_named_tensors": self._per_rank(
+                        bucket, by_handle), "flush_cache": False})
         if flush_cache:
             self.flush_cache()
         self.weight_version = version
+
+    def _per_rank(self, bucket: list[tuple[str, torch.Tensor]], by_handle: bool) -> list[str]:
+        """One payload per tensor-parallel rank, each rank reading its own (SGLang's tp_worker).
+        Handles are pickled once per rank, as SGLang's Engine does: a rank that opened another
+        rank's copy of a CUDA IPC handle would upset the sender's count of who still uses the
+        memory. Bytes by value are the same for every rank: pickled once."""
+        if by_handle:
+            return [serialize_bucket(bucket, by_handle=True) for _ in range(self.tp_size)]
+        return [serialize_bucket(bucket, by_handle=False)] * self.tp_size
 
     def flush_cache(self) -> None:
         """Empty the prefix cache once the scheduler is idle (one loop after its last output)."""
@@ -288,6 +327,16 @@ class SGLangServerEngine:
 
     def release_memory(self) -> None:
         regions = self._regions.to_release()
+        info = self.server_info
+        if regions and info.get("enable_memory_saver") is False and info.get("device", "cuda") != "cpu" \
+                and not self._warned_no_saver:
+            # SGLang answers the release with 200 and frees nothing. A warning, not an error: a
+            # server given by URL may well run on GPUs of its own, where nothing needs releasing.
+            self._warned_no_saver = True
+            key = "engine.sglang.url" if self.process is None else "engine.sglang.extra_args.enable_memory_saver"
+            print(f"agentrl: warning: the SGLang server at {self.url} ({key}) runs without --enable-memory-saver, "
+                  "so it keeps its GPU memory while the trainer runs; if it shares GPUs with the trainer, start "
+                  "it with --enable-memory-saver", file=sys.stderr)
         if regions:  # not retried: SGLang refuses to release a region twice
             self.flush_cache()  # SGLang's scheduler dies on a release before it is idle
             self._post("/release_memory_occupation", {"tags": regions}, retries=1)
@@ -296,6 +345,8 @@ class SGLangServerEngine:
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
         regions = self._regions.to_resume(tags)
         if regions:
+            if urlparse(self.url).hostname in LOOPBACK:  # perhaps on this process's GPUs
+                empty_torch_cache()
             self._post("/resume_memory_occupation", {"tags": regions}, retries=1)
             self._regions.released.difference_update(regions)
 

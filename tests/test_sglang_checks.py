@@ -1,0 +1,276 @@
+"""The SGLang engines' checks against SGLang's limits, and their memory and weight-transfer calls.
+
+SGLang cannot run here, so the in-process sglang.Engine is replaced by a recording stand-in and the
+HTTP server by test_sglang_contract.py's FakeServer behind an httpx mock transport; what SGLang
+itself does (the prompt limit its scheduler enforces, what /server_info holds, how it reads one
+payload per rank) is checked against its source when ../shared/sglang-cpu is present.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+import re
+import tarfile
+from functools import partial
+
+import httpx
+import pytest
+import torch
+
+from agentrl.errors import ConfigError
+from agentrl.recipe import load_recipe
+from agentrl.rollout import sglang_engine, sglang_server
+from agentrl.rollout.run import build_engine
+from agentrl.rollout.sglang_engine import ReleasedRegions, SGLangEngine
+from agentrl.rollout.sglang_server import SGLangServerEngine
+from tests.test_sglang_contract import SOURCE, FakeServer
+
+SERVER_WARNING = ("agentrl: warning: the SGLang server at {url} (engine.sglang.url) runs without "
+                  "--enable-memory-saver, so it keeps its GPU memory while the trainer runs; if it shares GPUs "
+                  "with the trainer, start it with --enable-memory-saver\n")
+
+
+def sglang_source(path: str) -> str:
+    if not SOURCE.is_file():
+        pytest.skip(f"no SGLang source at {SOURCE}")
+    with tarfile.open(SOURCE) as tar:
+        return tar.extractfile(f"python/sglang/srt/{path}").read().decode()
+
+
+@pytest.fixture
+def server(monkeypatch) -> FakeServer:
+    fake = FakeServer()
+    transport = httpx.MockTransport(fake)
+    monkeypatch.setattr(sglang_server.httpx, "Client", partial(httpx.Client, transport=transport))
+    monkeypatch.setattr(sglang_server.httpx, "AsyncClient", partial(httpx.AsyncClient, transport=transport))
+    return fake
+
+
+class StartedEngine:
+    """sglang_engine.SGLangEngine's stand-in: records that it started, and closes."""
+
+    started: list[dict] = []
+    max_req_input_len: int | None = None
+
+    def __init__(self, args, update_bucket_bytes):
+        self.args, self.closed = args, False
+        StartedEngine.started.append(args)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """build_engine's in-process SGLang path, up to the engine's start."""
+    StartedEngine.started, StartedEngine.max_req_input_len = [], None
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", StartedEngine)
+    return StartedEngine
+
+
+def sglang_recipe(model_dir, *overrides: str):
+    return load_recipe(None, [f"model.path={model_dir}", "engine.name=sglang", *overrides])
+
+
+# --- the prompt limit ---------------------------------------------------------------------------
+
+def test_the_context_margin_is_sglangs():
+    """SGLang aborts a prompt of max_req_input_len = min(context_len - 1, max_total_tokens - 1) - 5
+    tokens or more; it rejects prompt + max_new_tokens above context_len in the tokenizer manager."""
+    worker = sglang_source("managers/tp_worker.py")
+    assert re.search(r"max_req_len = min\(\s*self\.model_config\.context_len - 1,\s*self\.model_runner\."
+                     r"effective_max_total_num_tokens \* self\.ps\.attn_dcp_size\s*- 1,\s*\)", worker)
+    assert re.search(r"max_req_len,\s*max_req_len - 5,", worker)  # (max_req_len, max_req_input_len)
+    assert sglang_engine.CONTEXT_MARGIN == 1 + 5
+    assert "if len(req.origin_input_ids) >= max_req_input_len:" in sglang_source("managers/utils.py")
+
+
+def test_a_context_sglang_would_refuse_stops_before_the_engine_starts(tiny_model_dir, in_process):
+    """SGLang served rollout.max_context_tokens up to the model's positions: an episode whose prompt
+    came within 6 tokens of them ended in SGLang's error instead of finish 'length'."""
+    with pytest.raises(ConfigError, match="^" + re.escape(
+            "rollout.max_context_tokens (2048) is more than SGLang serves: it refuses a prompt of 2042 tokens or "
+            f"more (the context length of model.path '{tiny_model_dir}' (2048) - 6), and an episode's prompt "
+            "reaches rollout.max_context_tokens - 1; set rollout.max_context_tokens to 2042 or less") + "$"):
+        build_engine(sglang_recipe(tiny_model_dir), pad_token_id=2)  # the tiny model has 2048 positions
+    assert in_process.started == []
+    engine = build_engine(sglang_recipe(tiny_model_dir, "rollout.max_context_tokens=2042"), pad_token_id=2)
+    assert in_process.started == [engine.args] and not engine.closed
+
+
+@pytest.mark.parametrize("overrides, limit, why", [
+    (["engine.sglang.extra_args={context_length: 1024}"], 1018, "engine.sglang.extra_args.context_length (1024)"),
+    (["engine.sglang.max_total_tokens=512"], 506, "engine.sglang.max_total_tokens (512)"),
+    (["engine.sglang.max_total_tokens=4096", "engine.sglang.extra_args={max_total_tokens: 700, context_length: 900}"],
+     694, "engine.sglang.extra_args.max_total_tokens (700)")])
+def test_the_limit_comes_from_the_engine_arguments_when_given(tiny_model_dir, in_process, overrides, limit, why):
+    config = sglang_recipe(tiny_model_dir, f"rollout.max_context_tokens={limit + 1}", *overrides)
+    with pytest.raises(ConfigError, match=re.escape(f"refuses a prompt of {limit} tokens or more ({why} - 6)")):
+        build_engine(config, pad_token_id=2)
+    assert in_process.started == []
+    build_engine(sglang_recipe(tiny_model_dir, f"rollout.max_context_tokens={limit}", *overrides), pad_token_id=2)
+    assert len(in_process.started) == 1
+
+
+def test_the_running_engines_own_limit_is_checked_and_the_engine_closed(tiny_model_dir, in_process):
+    """The KV cache SGLang sizes from mem_fraction may hold fewer tokens than the context: its
+    scheduler's limit is known only once it runs."""
+    in_process.max_req_input_len = 1000
+    with pytest.raises(ConfigError, match=r"^rollout.max_context_tokens \(1024\) is more than SGLang serves: it "
+                                          r"refuses a prompt of 1000 tokens or more \(the engine's max_req_input_len"):
+        build_engine(sglang_recipe(tiny_model_dir, "rollout.max_context_tokens=1024"), pad_token_id=2)
+    assert len(in_process.started) == 1
+    engine = build_engine(sglang_recipe(tiny_model_dir, "rollout.max_context_tokens=1000"), pad_token_id=2)
+    assert not engine.closed
+
+
+def test_a_given_server_is_held_to_the_limit_it_reports(tiny_model_dir, server, monkeypatch):
+    closed: list[bool] = []
+    monkeypatch.setattr(SGLangServerEngine, "close", lambda self: closed.append(True))
+    recipe = partial(sglang_recipe, tiny_model_dir, "engine.sglang.mode=server",
+                     "engine.sglang.url=http://gpu-host:30000")
+    server.info["max_req_input_len"] = 1500
+    with pytest.raises(ConfigError, match="^" + re.escape(
+            "rollout.max_context_tokens (2048) is more than SGLang serves: it refuses a prompt of 1500 tokens or "
+            "more (the engine's max_req_input_len: the smaller of its context length and its KV-cache tokens (the "
+            "server's at engine.sglang.url 'http://gpu-host:30000'), less 6), and an episode's prompt reaches "
+            "rollout.max_context_tokens - 1; set rollout.max_context_tokens to 1500 or less") + "$"):
+        build_engine(recipe(), pad_token_id=2)
+    assert closed == [True]
+    server.info["max_req_input_len"] = 4000  # started with a longer context: its number, not the model's, counts
+    engine = build_engine(recipe(), pad_token_id=2)
+    assert engine.max_req_input_len == 4000 and closed == [True]
+    assert [p for _, p, _ in server.requests] == ["/health_generate", "/server_info"] * 2
+
+
+def test_the_engines_read_the_limit_where_sglang_keeps_it():
+    """/server_info holds the scheduler's init info (max_req_input_len) and the ServerArgs fields; the
+    in-process Engine gives its tokenizer manager the same max_req_input_len."""
+    http = sglang_source("entrypoints/http_server.py")
+    assert re.search(r'@app\.get\("/server_info"\)\s*async def server_info\(\):', http)
+    assert "**dataclasses.asdict(server_args),\n            **_global_state.scheduler_info," in http
+    assert '"max_req_input_len": self.max_req_input_len,' in sglang_source("managers/scheduler.py")
+    assert "tokenizer_manager.max_req_input_len = scheduler_init_result.scheduler_infos[" in \
+        sglang_source("entrypoints/engine.py")
+    server_args = sglang_source("server_args.py")
+    for field in ("enable_memory_saver", "device"):
+        assert re.search(rf"^    {field}: ", server_args, re.M), field
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+def test_a_server_without_the_memory_saver_gets_one_warning_at_the_first_release(server, capsys):
+    """SGLang without --enable-memory-saver answers a release with 200 and frees nothing: the run
+    went on as if the GPU were shared."""
+    server.info["enable_memory_saver"] = False
+    engine = SGLangServerEngine("http://127.0.0.1:1", {})
+    assert capsys.readouterr().err == ""  # a rollout or a served model never releases: nothing to say
+    for _ in range(2):
+        engine.release_memory()
+        engine.resume_memory()
+    assert capsys.readouterr().err == SERVER_WARNING.format(url="http://127.0.0.1:1")
+    assert [p for _, p, _ in server.requests].count("/release_memory_occupation") == 2  # still asked: harmless
+
+
+@pytest.mark.parametrize("info", [{"enable_memory_saver": True}, {"enable_memory_saver": False, "device": "cpu"}])
+def test_a_server_that_can_release_or_has_no_gpu_gets_no_warning(server, capsys, info):
+    server.info.update(info)
+    engine = SGLangServerEngine("http://127.0.0.1:1", {})
+    engine.release_memory()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_server_without_server_info_is_named_and_its_checks_skipped(monkeypatch, capsys):
+    def router(request: httpx.Request) -> httpx.Response:  # a router in front of servers: no /server_info
+        return httpx.Response(404 if request.url.path == "/server_info" else 200, text="Not Found")
+
+    monkeypatch.setattr(sglang_server.httpx, "Client", partial(httpx.Client, transport=httpx.MockTransport(router)))
+    engine = SGLangServerEngine("http://router:8000", {})
+    assert engine.max_req_input_len is None and engine.server_info == {}
+    assert capsys.readouterr().err == ("agentrl: warning: SGLang server at http://router:8000: GET /server_info failed "
+                                       "(SGLang server at http://router:8000: GET /server_info failed (HTTP 404: Not "
+                                       "Found)); the checks of its prompt limit and memory saver are skipped\n")
+
+
+def test_the_in_process_engine_empties_torchs_cache_before_sglang_resumes(monkeypatch):
+    """The trainer's freed tensors stayed in PyTorch's cache while SGLang mapped its regions again."""
+    calls: list = []
+
+    class Engine:
+        def resume_memory_occupation(self, tags):
+            calls.append(("resume", tags))
+
+    engine = SGLangEngine.__new__(SGLangEngine)  # no sglang here: only what resume_memory uses
+    engine._engine, engine._regions = Engine(), ReleasedRegions()
+    engine._regions.released.update(["weights", "kv_cache", "cuda_graph"])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    engine.resume_memory(("weights",))
+    engine.resume_memory(("kv_cache",))
+    engine.resume_memory(("kv_cache",))  # nothing left to resume: nothing called
+    assert calls == ["empty_cache", ("resume", ["weights"]), "empty_cache", ("resume", ["kv_cache", "cuda_graph"])]
+
+
+@pytest.mark.parametrize("url, empties", [("http://127.0.0.1:1", True), ("http://gpu-host:30000", False)])
+def test_the_server_engine_empties_torchs_cache_before_a_loopback_server_resumes(server, monkeypatch, url, empties):
+    engine = SGLangServerEngine(url, {})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: server.requests.append(("-", "empty_cache", {})))
+    engine.release_memory()
+    engine.resume_memory()
+    assert [p for _, p, _ in server.requests][-2:] == (
+        ["empty_cache", "/resume_memory_occupation"] if empties else ["/release_memory_occupation",
+                                                                      "/resume_memory_occupation"])
+
+
+# --- weights over HTTP, tensor-parallel -----------------------------------------------------------
+
+class OnGPU(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: enough for the engine to send it by handle."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_handles_are_pickled_once_per_rank(server, monkeypatch):
+    """SGLang's ranks each read their own payload; one payload repeated for every rank had each
+    rank open the same CUDA IPC handles, which upsets the sender's reference counting."""
+    pickled: list[tuple[list[str], bool]] = []
+
+    def serialize(bucket, by_handle):
+        pickled.append(([name for name, _ in bucket], by_handle))
+        return f"payload-{len(pickled)}"
+
+    monkeypatch.setattr(sglang_server, "serialize_bucket", serialize)
+    engine = SGLangServerEngine("http://127.0.0.1:1", {"tp_size": 2}, update_bucket_bytes=32)
+    weights = [(name, torch.ones(4).as_subclass(OnGPU)) for name in ("a", "b", "c")]  # 16 bytes each
+    engine.update_weights(iter(weights), version=1, flush_cache=False)
+    bodies = [body for _, path, body in server.requests if path == "/update_weights_from_tensor"]
+    assert [b["serialized_named_tensors"] for b in bodies] == [["payload-1", "payload-2"], ["payload-3", "payload-4"]]
+    assert pickled == [(["a", "b"], True)] * 2 + [(["c"], True)] * 2  # buckets of 32 bytes: handles are small
+
+
+def test_by_value_a_request_carries_at_most_update_bucket_bytes_for_all_ranks(server):
+    """By value the body holds the bucket's bytes once per rank: with tp_size 4 a 64-byte bucket
+    made a request of 256 bytes of tensors."""
+    engine = SGLangServerEngine("http://gpu-host:30000", {"tp_size": 4}, update_bucket_bytes=64)
+    weights = [(name, torch.full((4,), float(i))) for i, name in enumerate("abcd")]  # 16 bytes each
+    engine.update_weights(iter(weights), version=1, flush_cache=False)
+    bodies = [body for _, path, body in server.requests if path == "/update_weights_from_tensor"]
+    received = []
+    for body in bodies:
+        payloads = body["serialized_named_tensors"]
+        assert len(payloads) == 4 and len(set(payloads)) == 1
+        tensors = pickle.load(io.BytesIO(base64.b64decode(payloads[0])))
+        assert 4 * sum(t.nbytes for _, t in tensors) <= 64
+        received += [(name, t.tolist()) for name, t in tensors]
+    assert received == [(name, [float(i)] * 4) for i, name in enumerate("abcd")]
+
+
+def test_sglang_reads_one_payload_per_rank():
+    worker = sglang_source("managers/tp_worker.py")
+    assert "serialized_named_tensors[self.ps.tp_rank]" in worker
+    assert re.search(r"MultiprocessingSerializer\.serialize\(tensors\)\s*for _ in range\(self\.server_args\.tp_size\)",
+                     sglang_source("entrypoints/engine.py"))
