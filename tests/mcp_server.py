@@ -39,6 +39,16 @@ def authorization(ctx: Context) -> str:
 
 
 @server.tool()
+def ramble(characters: int) -> str:
+    """A text of `characters` x's, sent as one line however long.
+
+    Args:
+        characters: How long.
+    """
+    return "x" * characters
+
+
+@server.tool()
 def delete_everything(confirm: bool) -> str:
     """A tool the allow-list must keep from the model."""
     return "deleted"

@@ -1,5 +1,6 @@
 """Tools the tool-server tests serve: one that always fails, one that takes its time, one whose
-instances take their time to create, one that counts its runs, and one that talks at length."""
+instances take their time to create, one that counts its runs, one that talks at length, and one
+whose results carry values that are no numbers."""
 
 from __future__ import annotations
 
@@ -118,3 +119,24 @@ async def retry_forever(url: str) -> str:
             await asyncio.sleep(0.05)
         except BaseException:  # noqa: BLE001 - the point of this tool
             pass
+
+
+class Scored:
+    """A tool whose results carry values training cannot take: a NaN step reward, a metric in
+    words and one under a name that is no text (one metric is a number), and an infinite final
+    reward."""
+
+    schema = {"type": "function", "function": {"name": "scored", "description": "Scores itself.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+    async def create(self, instance_id: str, **kwargs) -> str:
+        return instance_id
+
+    async def execute(self, instance_id: str, arguments: dict) -> ToolResult:
+        return ToolResult("scored", reward=float("nan"), metrics={"hits": "three", "score": 0.5, 7: 1.0})
+
+    async def reward(self, instance_id: str) -> float:
+        return float("inf")
+
+    async def release(self, instance_id: str) -> None:
+        return None

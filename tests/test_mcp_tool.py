@@ -109,7 +109,7 @@ def test_allow_list_name_the_server_lacks_is_a_config_error(tmp_path):
         f"{path}: tool #1 (class 'agentrl.tools.mcp:MCPTools'): constructing agentrl.tools.mcp:MCPTools with config "
         f"{{'command': {[sys.executable, 'tests/mcp_server.py', marker]}, 'allow': ['multiply', 'rm_rf']}} failed: "
         f"allow-list names 'rm_rf', which the MCP server {command} does not offer "
-        "(it offers: authorization, calls_so_far, delete_everything, multiply)")
+        "(it offers: authorization, calls_so_far, delete_everything, multiply, ramble)")
     time.sleep(0.5)
     assert not server_running(marker)  # the connection opened to check was closed again
 
@@ -391,4 +391,92 @@ def test_roles_that_fail_to_start_close_the_engine_and_the_tools_servers(tmp_pat
                                                      "model.lora.target_modules=[nope_proj]"])
     with pytest.raises(ConfigError, match="nope_proj"):
         LocalRoles(config, tokenizer)  # the rollout worker (engine, tools) starts before the policy fails
+    assert server_stopped(marker)
+
+
+def test_a_tool_file_that_fails_after_an_mcp_entry_stops_its_server(tmp_path):
+    """The server of an entry before the one that failed, or of a file before the one that failed,
+    ran until the process exited."""
+    from agentrl.tools.loader import load_tool_files
+
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    path = mcp_file(tmp_path, ["multiply"], marker)
+    entry = json.loads(path.read_text())["tools"][0]
+    path.write_text(json.dumps({"tools": [entry, {"class": "tests.nowhere:tool"}]}))
+    with pytest.raises(ConfigError, match=r"tool #2 \(class 'tests.nowhere:tool'\): cannot import module 'tests.nowhere'"):
+        load_tools(path)
+    assert server_stopped(marker)
+    path.write_text(json.dumps({"tools": [entry]}))
+    later = tmp_path / "later.yaml"
+    later.write_text("tools:\n  - class: calculator\n  - class: calculator\n")
+    with pytest.raises(ConfigError, match="duplicate name"):
+        load_tool_files([path, later])
+    assert server_stopped(marker)
+
+
+def test_a_header_no_request_can_carry_is_refused_without_showing_it(tmp_path, monkeypatch):
+    """A secret read from a file ends in a newline: the HTTP client refused the header, and the
+    error it raised, with the value in it, was the load's message."""
+    monkeypatch.setenv("AGENTRL_TEST_MCP_TOKEN", "s3cr3t-from-a-file\n")
+    path = tmp_path / "mcp.yaml"
+    with socket.create_server(("127.0.0.1", 0)) as listening:  # accepts, so that a request would be sent
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}/mcp"
+        config = {"url": url, "allow": ["multiply"], "headers": {"Authorization": "Bearer ${AGENTRL_TEST_MCP_TOKEN}"},
+                  "connect_timeout_s": 3}
+        path.write_text(json.dumps({"tools": [{"class": "agentrl.tools.mcp:MCPTools", "config": config}]}))
+        with pytest.raises(ConfigError) as e:
+            load_tools(path)
+    assert str(e.value) == (
+        f"{path}: tool #1 (class 'agentrl.tools.mcp:MCPTools'): constructing agentrl.tools.mcp:MCPTools with config "
+        f"{{'url': '{url}', 'allow': ['multiply'], 'headers': {{'Authorization': '***'}}, 'connect_timeout_s': 3.0}} "
+        "failed: headers.Authorization: its value has a newline at position 26 of 26, which a header cannot hold "
+        "(only printable ASCII, spaces only inside; a secret made from a file often ends in a newline)")
+
+
+def test_an_error_that_quotes_a_header_shows_no_secret(monkeypatch):
+    """Whatever the HTTP client or the SDK put in its message, a value taken from the environment
+    or a header's value does not reach the error."""
+    monkeypatch.setenv("AGENTRL_TEST_MCP_TOKEN", "s3cr3t-token")
+
+    async def refusing(self, *args):
+        raise RuntimeError(f"header {self._server[1]['Authorization']!r} refused, token s3cr3t-token")
+
+    monkeypatch.setattr(MCPTools, "_transport", refusing)
+    with pytest.raises(ValueError) as e:
+        MCPTools(allow=["multiply"], url="http://127.0.0.1:9/mcp",
+                 headers={"Authorization": "Bearer ${AGENTRL_TEST_MCP_TOKEN}"})
+    assert str(e.value) == ("cannot reach the MCP server http://127.0.0.1:9/mcp: RuntimeError: header '***' refused, "
+                            "token ***")
+
+
+def test_a_stdio_message_over_the_cap_fails_its_call_at_once_and_the_next_call_reconnects(monkeypatch, capfd):
+    """The SDK's reader joined and split its whole buffer again at every piece that came: 64 MB
+    took half a minute, holding every other call to the server, and nothing bounded it."""
+    import agentrl.tools.mcp as mcp_tools
+
+    monkeypatch.setattr(mcp_tools, "MAX_MESSAGE_MB", 1.0, raising=False)
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    source = MCPTools(allow=["ramble", "multiply"], command=[sys.executable, "tests/mcp_server.py", marker])
+    ramble, multiply = source.tools()
+    label = shlex.join([sys.executable, "tests/mcp_server.py", marker])
+
+    async def call(tool: MCPTool, **arguments) -> str:
+        try:
+            return (await asyncio.wait_for(tool.execute("e", arguments), 20)).text
+        except MCPToolError as e:
+            return f"MCPToolError: {e}"
+
+    try:
+        # The server sends the text twice (as content and as structured content): 0.8 MB, in many pieces.
+        assert asyncio.run(call(ramble, characters=400_000)) == "x" * 400_000
+        started = time.monotonic()
+        assert asyncio.run(call(ramble, characters=2**20)) == (
+            f"MCPToolError: the MCP server {label} sent a message of more than 1 MB (the most read from a stdio "
+            "server), so its session was ended; the next call reconnects")
+        assert time.monotonic() - started < 10  # not the call's timeout (30 s)
+        assert asyncio.run(call(multiply, a=6, b=7)) == "42"
+        assert (f"agentrl: warning: reconnected to the MCP server {label} (it sent a message of more than 1 MB)"
+                in capfd.readouterr().err)
+    finally:
+        source.close()
     assert server_stopped(marker)

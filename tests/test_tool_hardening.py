@@ -257,9 +257,15 @@ tools:
     ("{expr: {type: string}}", "[expr]", "the schema of 'calc' has properties ['expr'] that calculator() takes no "
                                          "parameter for (it takes ['expression'])"),
     ("{}", "[]", "calculator() needs ['expression'], which the schema of 'calc' does not offer"),
+    # The model may leave it out, and the call fails with a TypeError.
+    ("{expression: {type: string}}", "[]", "calculator() has no default for ['expression'], which the schema of "
+                                           "'calc' does not list in 'required'"),
+    # No call can give it: every call is refused, for a name the model cannot see described.
+    ("{expression: {type: string}}", "[expression, note]", "the schema of 'calc' requires ['note'], which it has no "
+                                                           "property for (its properties: ['expression'])"),
 ])
 def test_a_schema_whose_calls_cannot_reach_the_function_is_refused_at_load(tmp_path, properties, required, problem):
-    """The run used to start with such a file, and every call failed with a TypeError."""
+    """The run used to start with such a file, and its calls failed with a TypeError, or were all refused."""
     path = tmp_path / "tools.yaml"
     path.write_text(SCHEMA % (properties, required))
     with pytest.raises(ConfigError) as error:

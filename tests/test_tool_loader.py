@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from agentrl.errors import ConfigError
-from agentrl.tools.base import FunctionTool
+from agentrl.tools.base import FunctionTool, argument_problem
 from agentrl.tools.builtin.gsm8k import CheckAnswer
 from agentrl.tools.loader import load_tool_files, load_tools
 
@@ -125,6 +125,12 @@ def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
     ("tools:\n  - class: python\n    config: {timeout_s: .nan}\n",
      "failed: wall_s must be a positive finite number, got nan"),  # `nan <= 0` is False
     ("tools:\n  - class: python\n    config: {cpu_s: .inf}\n", "failed: cpu_s must be a positive finite number, got inf"),
+    ("tools:\n  - class: tests.test_tool_loader:pick\n    schema: {type: function, function: {name: pick, parameters: "
+     "{$id: 'urn:pick', type: object, properties: {mode: {nullable: true, allOf: [{type: string}]}, "
+     "more: {$ref: 'urn:pick#/properties/mode/allOf/0'}}}}}\n",
+     "tool 'pick' (#1): schema.function.parameters: $ref 'urn:pick#/properties/mode/allOf/0' does not point to a "
+     "place inside the schema once 'nullable: true' is spelt as JSON Schema (write a $ref into a nullable node as "
+     "'#/...', a pointer from the top of the parameters)"),
 ])
 def test_bad_tool_files(tmp_path, body, message):
     path = write(tmp_path, body)
@@ -154,6 +160,7 @@ def test_refs_that_resolve_inside_the_schema_load(tmp_path):
                 parameters:
                   type: object
                   properties: {expression: {$ref: '#/$defs/text'}, more: {type: array, items: {$ref: '#/$defs/text'}}}
+                  required: [expression]
                   $defs: {text: {type: string}}
         """)
     with pytest.raises(ConfigError, match=r"the schema of 'c' has properties \['more'\] that calculator\(\) takes no "
@@ -219,3 +226,93 @@ def test_a_tool_file_the_recipe_lists_but_that_is_not_there_names_the_recipe_key
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=f"^rollout.tool_configs: {missing}: file not found$"):
         load_tool_files(["tool_configs/calculator.yaml", missing])
+
+
+def pick(items=None, more=None, mode=None, only=None) -> str:
+    """A function for the schemas of the tests below."""
+    return f"{items} {more} {mode} {only}"
+
+
+NULLABLE_REFS = """
+tools:
+  - class: tests.test_tool_loader:pick
+    schema:
+      type: function
+      function:
+        name: pick
+        parameters:
+          type: object
+          nullable: true
+          $defs: {count: {type: integer}}
+          properties:
+            items: {type: array, nullable: true, items: {type: object, properties: {n: {$ref: '#/$defs/count'}}}}
+            more: {$ref: '#/properties/items/items'}
+            mode: {enum: [fast, slow], nullable: true}
+            only: {const: 1, nullable: true}
+"""
+
+
+def test_a_ref_into_a_nullable_node_still_resolves_when_calls_are_checked(tmp_path):
+    """`nullable: true` was spelt by wrapping its node in an anyOf, which moved everything inside
+    it: a file whose `$ref` pointed there (or with `nullable` at the top, beside `$defs`) loaded,
+    and then every call was refused as a broken schema (PointerToNowhere)."""
+    [tool] = load_tools(write(tmp_path, NULLABLE_REFS))
+    assert argument_problem(tool, {"items": [{"n": 1}], "more": {"n": 2}, "mode": None, "only": None}) is None
+    assert argument_problem(tool, {"items": None, "mode": "fast", "only": 1}) is None
+    assert argument_problem(tool, {"more": {"n": "two"}}) == "bad arguments for pick: 'two' is not of type 'integer'."
+    assert argument_problem(tool, {"items": [{"n": 1.5}]}) == "bad arguments for pick: 1.5 is not of type 'integer'."
+    assert argument_problem(tool, {"mode": "medium"}) == ("bad arguments for pick: 'medium' is not one of "
+                                                          "['fast', 'slow', None].")
+    assert argument_problem(tool, {"only": 2}) == "bad arguments for pick: 2 is not one of [1, None]."
+    assert asyncio.run(tool.execute("e", {"items": None, "more": {"n": 2}})).text == "None {'n': 2} None None"
+    # what the model reads is the schema as written
+    assert tool.schema["function"]["parameters"]["properties"]["items"]["type"] == "array"
+
+
+class ClosingSet:
+    """A ToolSet (as a server entry is) that records its `close()`; `broken` gives its tool a
+    schema whose `$ref` points nowhere."""
+
+    closed: list[str] = []
+
+    def __init__(self, name: str, broken: bool = False):
+        self.name, self.broken = name, broken
+
+    def tools(self):
+        return [Served(self)]
+
+    def close(self):
+        ClosingSet.closed.append(self.name)
+
+
+class Served(Schemaless):
+    """The one tool of a ClosingSet, named after it."""
+
+    def __init__(self, source: ClosingSet):
+        self.source = source
+        properties = {"x": {"$ref": "#/$defs/nowhere"}} if source.broken else {}
+        self.schema = {"type": "function", "function": {"name": source.name, "parameters": {
+            "type": "object", "properties": properties}}}
+
+
+def served(name: str, broken: bool = False) -> str:
+    return f"  - {{class: tests.test_tool_loader:ClosingSet, config: {{name: {name}, broken: {str(broken).lower()}}}}}\n"
+
+
+@pytest.mark.parametrize("files,closed", [
+    ([served("a") + served("b", broken=True)], ["b", "a"]),  # the entry whose tool is refused, then the one before
+    ([served("a") + "  - class: tests.test_tool_loader:nowhere\n"], ["a"]),
+    ([served("a") + served("a")], ["a", "a"]),  # a repeated name: both entries' servers
+    ([served("a"), "  - class: tests.test_tool_loader:nowhere\n"], ["a"]),  # a later file that fails
+    ([served("a"), served("b") + served("a")], ["a", "b", "a"]),  # ... or repeats a name
+], ids=["refused_member", "failed_entry", "repeated_name", "later_file", "repeated_across_files"])
+def test_a_tool_file_that_fails_closes_every_server_it_opened(tmp_path, files, closed):
+    """Servers the earlier entries or files had started (MCP stdio children) ran until the
+    process exited."""
+    from tests.test_tool_loader import ClosingSet as Loaded  # the class the loader imports, by that name
+
+    Loaded.closed = []
+    paths = [write(tmp_path, "tools:\n" + body, f"tools{i}.yaml") for i, body in enumerate(files)]
+    with pytest.raises(ConfigError):
+        load_tool_files(paths)
+    assert Loaded.closed == closed

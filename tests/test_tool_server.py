@@ -286,7 +286,8 @@ def test_named_creates_run_once_and_creates_in_flight_count_against_the_cap(tmp_
         for thread in threads:
             thread.start()
             time.sleep(0.1)
-        assert create("episode-1000").status_code == 409  # still being created
+        other = create("episode-1000", tool="nap")  # still being created, by another tool
+        assert (other.status_code, other.json()) == (409, {"detail": "instance 'episode-1000' exists or is being created"})
         for thread in threads:
             thread.join()
         assert statuses == {0: 200, 1: 200, 2: 429} and settled(client, 3, 1)["live_instances"] == 2
@@ -718,3 +719,112 @@ def test_releases_are_never_dropped_and_creates_that_never_started_are_not_relea
     assert outcome["running"]["text"] == "ok" and outcome["release_a"] == {"error": None}
     assert track.created == ["instance-a", "instance-b"]  # instance-c never reached the tool
     assert track.released == ["instance-b", "instance-a"]  # a's once its call had ended
+
+
+def test_a_server_trickling_its_answer_cannot_hold_the_load():
+    """httpx's timeout is per read: a server that sent its answer a byte at a time held the load
+    (and any call) forever, whatever timeout_s said. A test cannot make `agentrl tools serve` do
+    that; the trickle is real HTTP on loopback."""
+    listening = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        connection, _ = listening.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                               b"Transfer-Encoding: chunked\r\n\r\n")
+            while not stop.wait(0.2):  # a byte well within every read timeout
+                try:
+                    connection.sendall(b"1\r\n \r\n")
+                except OSError:  # the client gave up
+                    return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+    outcome: list[str] = []
+
+    def load() -> None:
+        try:
+            RemoteTools(url, token="t", timeout_s=0.5, connect_timeout_s=0.5, retries=0).tools()
+        except RemoteToolError as e:
+            outcome.append(str(e))
+
+    loading = threading.Thread(target=load, daemon=True)
+    started = time.monotonic()
+    try:
+        loading.start()
+        loading.join(15)
+    finally:
+        stop.set()
+        listening.close()
+    assert not loading.is_alive() and time.monotonic() - started < 5
+    assert outcome == [f"{url}/tools: GET /tools: no complete answer within 1 s (connect_timeout_s + timeout_s)"]
+
+
+class SlowTrack(Track):
+    """A Track whose create takes a while, and fails when told to."""
+
+    async def create(self, instance_id: str, **kwargs) -> str:
+        await asyncio.sleep(0.5)
+        if kwargs.get("fail"):
+            raise RuntimeError("no room")
+        return await super().create(instance_id)
+
+
+def test_a_create_sent_again_while_the_first_runs_gets_its_answer():
+    """A client sends a create again after a proxy's 5xx or a dropped connection; while the first
+    still ran, the second was refused with 409, so the client released the instance the first was
+    making and the episode lost the tool."""
+    track = SlowTrack()
+    app = create_app([track], ServerSettings(token=TOKEN))
+
+    async def scenario() -> list[list[httpx.Response]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tools",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as c:
+            async def twice(name: str, **kwargs) -> list[httpx.Response]:
+                body = {"tool": "track", "instance_id": name, "kwargs": kwargs}
+                first = asyncio.create_task(c.post("/instances", json=body))
+                await asyncio.sleep(0.1)
+                return [await c.post("/instances", json=body), await first]
+
+            return [await twice("instance-a"), await twice("instance-b", fail=True)]
+
+    made, failed = asyncio.run(scenario())
+    assert [(r.status_code, r.json()) for r in made] == [(200, {"instance_id": "instance-a", "error": None})] * 2
+    assert [(r.status_code, r.json()) for r in failed] == [
+        (200, {"instance_id": None, "error": "RuntimeError: no room"})] * 2
+    assert track.created == ["instance-a"]  # made once
+    assert track.released == ["instance-b"]  # what the failed create made, freed once
+    assert app.state.host.stats["track"]["create"].calls == 2
+
+
+def test_values_the_server_drops_are_counted_as_a_local_tools_are(tmp_path):
+    """The server turned a NaN reward into null and left out metrics that are no numbers, saying
+    nothing: the client's ToolEnv never counted them in tool_invalid_results, as it counts a local
+    tool's."""
+    from tests.served_tools import Scored
+
+    async def episode(tool) -> dict:
+        env = ToolEnv([tool], ToolLimits(timeout_s=10), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        [message] = await env.run_turn(ParsedTurn(calls=[ToolCall("scored", {})]))
+        final = await env.finish()
+        return {"content": message["content"], "final": final, "invalid": env.metrics["tool_invalid_results"],
+                "score": env.metrics.get("score"), "step_rewards": env.step_rewards}
+
+    local = asyncio.run(episode(Scored()))
+    assert local == {"content": "scored", "final": 0.0, "invalid": 4, "score": 0.5, "step_rewards": []}
+    proc, url = start_server(tmp_path, tools_yaml="tools:\n  - class: tests.served_tools:Scored\n")
+    source = RemoteTools(url, token=TOKEN)
+    try:
+        with api(url) as client:
+            client.post("/instances", json={"tool": "scored", "instance_id": "instance-1"})
+            assert client.post("/instances/instance-1/execute", json={"arguments": {}}).json() == {
+                "text": "scored", "reward": None, "metrics": {"score": 0.5}, "error": None, "invalid": 3}
+            assert client.post("/instances/instance-1/reward").json() == {"reward": None, "error": None, "invalid": 1}
+        (remote,) = source.tools()
+        assert asyncio.run(episode(remote)) == local
+    finally:
+        source.close()
+        stop_process(proc)

@@ -23,6 +23,7 @@ import jsonschema
 import pydantic
 from transformers.utils import get_json_schema
 
+from agentrl.tools.schema import with_nullable
 from agentrl.tools.threads import DaemonExecutor, PluginError, ThreadCall
 
 
@@ -84,33 +85,6 @@ def argument_problem(t: Tool, arguments: dict[str, Any]) -> str | None:
         except ValueError as e:
             return f"bad arguments for {name}: {e}."
     return None
-
-
-_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
-_DATA = {"enum", "const", "default", "examples"}  # values, not schemas
-
-
-def with_nullable(schema: Any) -> Any:
-    """The schema with OpenAPI's `nullable: true` (what transformers' get_json_schema writes for an
-    `X | None` parameter, and what the model reads) spelt as JSON Schema: also null. jsonschema
-    ignores the keyword, so a null the schema offers would otherwise be refused."""
-    if isinstance(schema, list):
-        return [with_nullable(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    inner: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key == "nullable":
-            continue
-        if key in _DATA:
-            inner[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names → schemas: a name is not a keyword
-            inner[key] = {name: with_nullable(sub) for name, sub in value.items()}
-        else:
-            inner[key] = with_nullable(value)
-    if schema.get("nullable") is True:
-        return {"anyOf": [inner, {"type": "null"}]}
-    return inner
 
 
 class FunctionTool:

@@ -80,22 +80,29 @@ def read_yaml_list(path: str | Path, key: str) -> list[Any]:
 def build_tools(entry: Any) -> list[Tool]:
     """One YAML entry → its Tool, or the tools a ToolSet entry expands into. Raises ValueError."""
     instance = _instantiate(entry)
-    if isinstance(instance, ToolSet) and not hasattr(instance, "execute"):
-        if "schema" in entry:
-            raise ValueError("key 'schema' is for a single tool; this entry takes its tools' schemas from its source")
-        try:
-            members = list(instance.tools())
-        except Exception as e:  # a server that refuses to list its tools: name it, no traceback
-            raise ValueError(f"listing its tools failed: {type(e).__name__}: {e}") from None
-    else:
-        if "schema" in entry and not isinstance(instance, FunctionTool):
+    try:
+        if isinstance(instance, ToolSet) and not hasattr(instance, "execute"):
+            if "schema" in entry:
+                raise ValueError("key 'schema' is for a single tool; this entry takes its tools' schemas from its "
+                                 "source")
             try:
-                instance.schema = entry["schema"]
-            except AttributeError as e:  # the class computes its schema (a property without setter)
-                raise ValueError(f"key 'schema': the class does not take a schema ({e})") from None
-        members = [instance]
-    for member in members:
-        _check_tool(member, entry["class"])
+                members = list(instance.tools())
+            except Exception as e:  # a server that refuses to list its tools: name it, no traceback
+                raise ValueError(f"listing its tools failed: {type(e).__name__}: {e}") from None
+        else:
+            if "schema" in entry and not isinstance(instance, FunctionTool):
+                try:
+                    instance.schema = entry["schema"]
+                except AttributeError as e:  # the class computes its schema (a property without setter)
+                    raise ValueError(f"key 'schema': the class does not take a schema ({e})") from None
+            members = [instance]
+        for member in members:
+            _check_tool(member, entry["class"])
+    except BaseException:  # a server started for an entry that is refused (a member's bad schema) stops
+        close = getattr(instance, "close", None)
+        if callable(close):
+            close()
+        raise
     return members
 
 
@@ -230,45 +237,58 @@ def _function_tool(fn: Any, schema: Any) -> FunctionTool:
 
 
 def _signature_mismatch(fn: Any, schema: dict[str, Any]) -> str | None:
-    """Why calls made by `schema` could never bind to `fn` (a property it has no parameter for, or a
-    parameter without a default that the schema does not offer), or None. Checked at load: the run
-    would otherwise start and every call fail."""
+    """Why calls made by `schema` could fail to bind to `fn` (a property it has no parameter for, a
+    parameter without a default that the schema does not offer or does not require, a required name
+    the schema has no property for), or None. Checked at load: the run would otherwise start and
+    calls fail with a TypeError, or be refused whatever the model sends."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
         return None
     spec = schema["function"].get("parameters") or {}
     properties = set(spec.get("properties") or {})
+    required = set(spec.get("required") or [])
     named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    name = schema["function"]["name"]
+    name, function = schema["function"]["name"], getattr(fn, "__qualname__", fn)
     if not any(p.kind is p.VAR_KEYWORD for p in parameters) and properties - named:
         return (f"the schema of '{name}' has properties {sorted(properties - named)} that "
-                f"{getattr(fn, '__qualname__', fn)}() takes no parameter for (it takes {sorted(named)})")
-    needed = {p.name for p in parameters if p.default is p.empty and p.name in named} - properties
-    if needed:
-        return (f"{getattr(fn, '__qualname__', fn)}() needs {sorted(needed)}, which the schema of '{name}' does not "
-                f"offer")
+                f"{function}() takes no parameter for (it takes {sorted(named)})")
+    without_default = {p.name for p in parameters if p.default is p.empty and p.name in named}
+    if without_default - properties:
+        return f"{function}() needs {sorted(without_default - properties)}, which the schema of '{name}' does not offer"
+    if without_default - required:  # the model may leave it out, and the call fails with a TypeError
+        return (f"{function}() has no default for {sorted(without_default - required)}, which the schema of "
+                f"'{name}' does not list in 'required'")
+    if required - properties:  # no call can give it: the function takes no such keyword
+        return (f"the schema of '{name}' requires {sorted(required - properties)}, which it has no property for "
+                f"(its properties: {sorted(properties)})")
     return None
 
 
 def load_tools(path: str | Path) -> list[Tool]:
     """Every tool in one YAML file, with names checked for uniqueness."""
     tools: list[Tool] = []
+    built: list[Tool] = []  # the entry's being checked, not in `tools` yet
     seen: dict[str, int] = {}
-    for i, entry in enumerate(read_yaml_list(path, "tools"), start=1):
-        label = _entry_label(entry, i)
-        try:
-            built = build_tools(entry)
-        except ValueError as e:
-            raise ConfigError(f"{path}: {label}: {e}") from None
-        except Exception as e:  # noqa: BLE001 - a plug-in failing in a way no check foresaw
-            raise ConfigError(f"{path}: {label}: {type(e).__name__}: {e}") from None
-        for t in built:
-            name = t.schema["function"]["name"]
-            if name in seen:
-                raise ConfigError(f"{path}: tool '{name}' (#{i}): duplicate name, tool #{seen[name]} has it too")
-            seen[name] = i
-            tools.append(t)
+    try:
+        for i, entry in enumerate(read_yaml_list(path, "tools"), start=1):
+            label = _entry_label(entry, i)
+            try:
+                built = build_tools(entry)
+            except ValueError as e:
+                raise ConfigError(f"{path}: {label}: {e}") from None
+            except Exception as e:  # noqa: BLE001 - a plug-in failing in a way no check foresaw
+                raise ConfigError(f"{path}: {label}: {type(e).__name__}: {e}") from None
+            for t in built:
+                name = t.schema["function"]["name"]
+                if name in seen:
+                    raise ConfigError(f"{path}: tool '{name}' (#{i}): duplicate name, tool #{seen[name]} has it too")
+                seen[name] = i
+                tools.append(t)
+            built = []
+    except BaseException:  # the servers the earlier entries started would run until the process exits
+        close_tools(tools + built)
+        raise
     return tools
 
 
@@ -276,14 +296,21 @@ def load_tool_files(paths: list[str | Path]) -> list[Tool]:
     """The tools of every file a recipe lists at rollout.tool_configs; a file that is not there
     names that key."""
     tools: list[Tool] = []
-    for path in paths:
-        if not Path(path).is_file():
-            raise ConfigError(f"rollout.tool_configs: {path}: file not found")
-        for t in load_tools(path):
-            name = t.schema["function"]["name"]
-            if any(o.schema["function"]["name"] == name for o in tools):
-                raise ConfigError(f"{path}: tool '{name}': duplicate name, an earlier tool file has it")
-            tools.append(t)
+    loaded: list[Tool] = []  # the file's being checked, not all in `tools` yet
+    try:
+        for path in paths:
+            if not Path(path).is_file():
+                raise ConfigError(f"rollout.tool_configs: {path}: file not found")
+            loaded = load_tools(path)  # a file that fails closes its own
+            for t in loaded:
+                name = t.schema["function"]["name"]
+                if any(o.schema["function"]["name"] == name for o in tools):
+                    raise ConfigError(f"{path}: tool '{name}': duplicate name, an earlier tool file has it")
+                tools.append(t)
+            loaded = []
+    except BaseException:  # the earlier files' servers would run until the process exits
+        close_tools(tools + loaded)
+        raise
     return tools
 
 

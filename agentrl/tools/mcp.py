@@ -13,7 +13,9 @@ nothing the property names do not). A result's text blocks are joined; a result 
 error raises MCPToolError, which ToolEnv reports to the model. `${NAME}` in a value of `env` (a
 stdio server's environment, merged over the SDK's minimal one) or `headers` (an HTTP server's
 request headers) is the environment variable NAME, so secrets stay out of the file; an unset one is
-an error naming it.
+an error naming it, and so is a header value an HTTP request cannot carry (a newline from a secret
+read from a file), without showing the value. Error messages show no header value, nor any value
+taken from the environment.
 
 Session lifetime: one MCP session per tool-file entry, for the whole run. The SDK's session is a
 set of anyio task groups bound to the event loop and the task that entered them, while the
@@ -28,11 +30,18 @@ connection) fails the calls in flight, and the next call opens a new one, with a
 hours should not lose a tool for good to one blip. Attempts that fail back off (1 s, doubling to
 60 s), and calls meanwhile fail at once, saying when the next attempt is due. A restarted stdio
 server has lost whatever state it kept. `reconnect: false` keeps a closed session closed.
+
+A stdio server's messages are read a line at a time, each at most MAX_MESSAGE_MB (64 MB): at a
+longer one (a runaway tool's output) the session ends, reading no further, so the calls in flight
+fail at once saying so, and the next call reconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import contextlib
+import functools
 import inspect
 import json
 import os
@@ -40,6 +49,8 @@ import re
 import shlex
 import sys
 import time
+import types
+from collections.abc import Callable
 from typing import Any
 
 from agentrl.tools.background_loop import BackgroundLoop
@@ -54,6 +65,7 @@ _DATA = {"default", "enum", "const", "examples"}  # values, not schemas: left as
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _URL = re.compile(r"[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0
+MAX_MESSAGE_MB = 64.0  # the longest line read from a stdio server
 
 
 class MCPToolError(RuntimeError):
@@ -80,7 +92,9 @@ class MCPTools:
             self._server: Any = (url, _expanded(headers, "headers"))
         else:
             self._server = _stdio(command, _expanded(env, "env"), cwd)
+        self._hidden = _secrets(headers, env)
         self._client: Any = None
+        self._cut: Any = None  # the client whose session ended at a message over MAX_MESSAGE_MB
         self._holder: asyncio.Task[None] | None = None  # the task that owns the session, and its stop
         self._stop: asyncio.Event | None = None
         self._failure = "not connected yet"
@@ -93,7 +107,7 @@ class MCPTools:
             offered = self._loop.run_sync(self._list_tools(), connect_timeout_s)
         except Exception as e:
             self.close()
-            raise ValueError(f"cannot reach the MCP server {self.label}: {_describe(e)}") from None
+            raise ValueError(f"cannot reach the MCP server {self.label}: {_describe(e, self._hidden)}") from None
         missing = [name for name in allow if name not in offered]
         if missing:
             self.close()
@@ -134,13 +148,13 @@ class MCPTools:
         try:
             async with AsyncExitStack() as stack:
                 client = await stack.enter_async_context(
-                    Client(await self._transport(stack), read_timeout_seconds=self.timeout_s))
+                    Client(await self._transport(stack, stop), read_timeout_seconds=self.timeout_s))
                 self._client = client
                 ready.set_result(None)
                 await stop.wait()
         except Exception as e:
             if client is None or self._client is client:
-                self._failure = _describe(e)
+                self._failure = _describe(e, self._hidden)
             if not ready.done():
                 ready.set_exception(e)
         finally:
@@ -149,15 +163,15 @@ class MCPTools:
                 if not stop.is_set() and self._failure == "not connected yet":
                     self._failure = "the session ended"
 
-    async def _transport(self, stack: Any) -> Any:
+    async def _transport(self, stack: Any, stop: asyncio.Event) -> Any:
         """What `Client` connects to: a stdio transport, the URL, or (with headers) an HTTP
         transport on a client that sends them."""
         if not isinstance(self._server, tuple):
-            from mcp.client.stdio import stdio_client
-
+            lines = functools.partial(_LineReader, max_bytes=int(MAX_MESSAGE_MB * 2**20),
+                                      too_long=lambda: self._cut_session(stop))
             # The server's stderr goes to the process's own. The SDK's default is whatever
             # sys.stderr was when it was imported, a stream that may be closed since (a capture).
-            return stdio_client(self._server, errlog=sys.__stderr__ or sys.stderr)
+            return _stdio_client(lines)(self._server, errlog=sys.__stderr__ or sys.stderr)
         url, headers = self._server
         if not headers:
             return url
@@ -167,6 +181,14 @@ class MCPTools:
         http = await stack.enter_async_context(httpx2.AsyncClient(
             headers=headers, timeout=httpx2.Timeout(self.connect_timeout_s, read=max(300.0, self.timeout_s))))
         return streamable_http_client(url, http_client=http)
+
+    def _cut_session(self, stop: asyncio.Event) -> None:
+        """Ends the session `stop` stops, at a message over MAX_MESSAGE_MB: its calls in flight
+        fail now, instead of at their timeout, and the next call reconnects."""
+        if self._stop is stop and self._client is not None:
+            self._cut, self._client = self._client, None
+            self._failure = f"it sent a message of more than {MAX_MESSAGE_MB:g} MB"
+        stop.set()
 
     def _end_session(self) -> Any:
         """A coroutine that ends the session open now (not whichever is open when it runs)."""
@@ -203,6 +225,11 @@ class MCPTools:
         except MCPError as e:  # the server exited (or dropped the session): say which one
             if not _session_gone(e):
                 raise
+            if self._cut is client:
+                raise MCPToolError(f"the MCP server {self.label} sent a message of more than {MAX_MESSAGE_MB:g} MB "
+                                   "(the most read from a stdio server), so its session was ended"
+                                   + ("; the next call reconnects" if self.reconnect else ", and it is not restarted")
+                                   ) from None
             if self._client is client:  # the first call to see it ends the session; the next reconnects
                 self._client, self._failure = None, "it closed the connection"
                 self._ending = asyncio.create_task(self._end_session())  # in the background: this call answers now
@@ -242,7 +269,7 @@ class MCPTools:
                 await asyncio.wait_for(self._connect(), self.connect_timeout_s)
             except Exception as e:
                 self._failure = (f"no session within {self.connect_timeout_s:g} s"
-                                 if isinstance(e, asyncio.TimeoutError) else _describe(e))
+                                 if isinstance(e, asyncio.TimeoutError) else _describe(e, self._hidden))
                 self._next_attempt = time.monotonic() + self._backoff_s
                 self._backoff_s = min(2 * self._backoff_s, MAX_BACKOFF_S)
                 raise MCPToolError(f"the MCP server {self.label} is not connected ({cause}), and reconnecting failed "
@@ -303,7 +330,38 @@ def _expanded(values: dict[str, str] | None, key: str) -> dict[str, str] | None:
             raise ValueError(f"{key}.{name} names the environment variable {variable}, which is not set")
         return os.environ[variable]
 
-    return {name: _VARIABLE.sub(lambda m, name=name: value_of(m, name), value) for name, value in values.items()}
+    expanded = {name: _VARIABLE.sub(lambda m, name=name: value_of(m, name), value) for name, value in values.items()}
+    for name, value in expanded.items() if key == "headers" else ():
+        problem = _header_problem(value)
+        if problem:  # else the HTTP client refuses it later, quoting the value in its message
+            raise ValueError(f"headers.{name}: {problem}")
+    return expanded
+
+
+def _header_problem(value: str) -> str | None:
+    """Why `value` cannot be sent as an HTTP header value, without showing it; None when it can."""
+    bad = next((i for i, c in enumerate(value) if not (" " <= c <= "~" or c == "\t")
+                or (c in " \t" and i in (0, len(value) - 1))), None)
+    if bad is None:
+        return None
+    kind = "a newline" if value[bad] in "\r\n" else "a space" if value[bad].isspace() else "a character"
+    return (f"its value has {kind} at position {bad + 1} of {len(value)}, which a header cannot hold (only "
+            "printable ASCII, spaces only inside; a secret made from a file often ends in a newline)")
+
+
+def _secrets(headers: dict[str, str] | None, env: dict[str, str] | None) -> tuple[str, ...]:
+    """What error messages must not show: header values and values taken from the environment, as
+    they are and as a repr (bytes in a message) writes them, longest first. Values under 4 characters
+    are left: no secret, and hiding them would garble every message that contains them."""
+    found: set[str] = set()
+    for values, whole in ((headers, True), (env, False)):  # an env value may be a plain setting
+        for value in (values or {}).values():
+            taken = [os.environ.get(m.group(1), "") for m in _VARIABLE.finditer(value)]
+            if whole:
+                taken.append(_VARIABLE.sub(lambda m: os.environ.get(m.group(1), ""), value))
+            for secret in taken:
+                found.update({secret, secret.strip(), repr(secret)[1:-1]})
+    return tuple(sorted((v for v in found if len(v) >= 4), key=len, reverse=True))
 
 
 def _stdio(command: list[str] | str | None, env: dict[str, str] | None, cwd: str | None) -> Any:
@@ -315,6 +373,75 @@ def _stdio(command: list[str] | str | None, env: dict[str, str] | None, cwd: str
     # "replace": the SDK's strict decoding drops everything a server prints after one byte that is
     # not UTF-8 (a library's stray print), and every later call hangs until its timeout.
     return StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=cwd, encoding_error_handler="replace")
+
+
+class _LineReader:
+    """A stdio server's stdout as the SDK's reader takes it (text with whole lines in it), read
+    as a list of the pieces of the line that has not ended yet, joined once at its newline. The
+    SDK's own reader joins what it holds to every piece that comes and splits the lot again: a
+    message of 64 MB took half a minute, and every other call to the server waited behind it. A
+    line longer than `max_bytes` is not read further: `too_long()` ends the session, and the
+    stream ends."""
+
+    def __init__(self, stdout: Any, encoding: str = "utf-8", errors: str = "strict", *, max_bytes: int,
+                 too_long: Callable[[], None]):
+        self._stdout, self._decoder = stdout, codecs.getincrementaldecoder(encoding)(errors=errors)
+        self._max_bytes, self._too_long = max_bytes, too_long
+        self._pieces: list[bytes] = []
+        self._size = 0
+
+    def __aiter__(self) -> _LineReader:
+        return self
+
+    async def __anext__(self) -> str:
+        import anyio
+
+        while True:
+            try:
+                chunk = await self._stdout.receive()
+            except anyio.EndOfStream:  # a last line without its newline is no message
+                raise StopAsyncIteration from None
+            *ends, rest = chunk.split(b"\n")
+            lines = []
+            for piece in ends:
+                if self._size + len(piece) > self._max_bytes:
+                    break
+                lines.append(b"".join([*self._pieces, piece]))
+                self._pieces, self._size = [], 0
+            else:
+                self._pieces.append(rest)
+                self._size += len(rest)
+            if len(lines) < len(ends) or self._size > self._max_bytes:
+                self._pieces, self._size = [], 0
+                self._too_long()
+                raise StopAsyncIteration
+            if lines:
+                return self._decoder.decode(b"\n".join(lines) + b"\n")
+
+
+def _stdio_client(reader: Callable[..., Any]) -> Any:
+    """The SDK's `stdio_client`, reading the server's stdout through `reader(stdout, encoding=...,
+    errors=...)` where it takes anyio's TextReceiveStream: the same code under a copy of its
+    module's names with that one replaced, so that nothing else using the SDK is changed, and its
+    handling of the server process (spawning, draining, stopping) is kept as it is. An SDK whose
+    stdio client is built otherwise is used as it is, with a warning: no cap, and its own reader."""
+    from mcp.client import stdio
+
+    inner = getattr(stdio.stdio_client, "__wrapped__", None)
+    if inner is None or not any("TextReceiveStream" in getattr(code, "co_names", ())
+                                for code in inner.__code__.co_consts):
+        _warn_once("agentrl: warning: this version of the mcp SDK reads stdio servers its own way: their "
+                   f"messages are read without agentrl's line reader and its {MAX_MESSAGE_MB:g} MB cap")
+        return stdio.stdio_client
+    names = {**vars(stdio), "TextReceiveStream": reader}
+    copy = types.FunctionType(inner.__code__, names, inner.__name__, inner.__defaults__, inner.__closure__)
+    copy.__kwdefaults__ = inner.__kwdefaults__
+    return contextlib.asynccontextmanager(copy)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _without_titles(schema: Any) -> Any:
@@ -344,9 +471,13 @@ def _session_gone(error: Any) -> bool:
     return error.code == CONNECTION_CLOSED or (error.code == INVALID_REQUEST and "session" in str(error).lower())
 
 
-def _describe(error: BaseException) -> str:
+def _describe(error: BaseException, hidden: tuple[str, ...] = ()) -> str:
     """One line for an error, looking inside the exception groups anyio raises; URLs in it keep no
-    password or query string (where tokens travel), as the server's label keeps none."""
+    password or query string (where tokens travel), as the server's label keeps none, and each of
+    `hidden` (the secrets of the config) is shown as '***'."""
     while getattr(error, "exceptions", None):  # BaseExceptionGroup, without needing Python 3.11
         error = error.exceptions[0]
-    return _URL.sub(lambda m: url_shown(m.group(0)), f"{type(error).__name__}: {error}")
+    text = f"{type(error).__name__}: {error}"
+    for secret in hidden:
+        text = text.replace(secret, "***")
+    return _URL.sub(lambda m: url_shown(m.group(0)), text)

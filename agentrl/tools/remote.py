@@ -7,9 +7,11 @@ file loads, so a wrong URL, token or tool name stops the run before it starts):
       - class: agentrl.tools.remote:RemoteTools
         config: {url: "http://10.0.0.5:8765", token_env: AGENTRL_TOOL_TOKEN, tools: [python]}
 
-Calls go through httpx with a timeout per request and retries with exponential backoff on
-connection failures and 5xx answers (the server answers a failing tool with 200 and an error, so a
-5xx means the server itself, or a proxy before it, failed). A tool call is not repeatable: it is
+Calls go through httpx, each attempt bounded by `connect_timeout_s` + `timeout_s` from connecting
+to the answer's last byte (httpx's timeouts are per read: a server trickling its answer would hold
+a call, or the load, forever), with retries and exponential backoff on connection failures and 5xx
+answers (the server answers a failing tool with 200 and an error, so a 5xx means the server
+itself, or a proxy before it, failed). A tool call is not repeatable: it is
 sent again only after an error that proves it never left (a refused connection, a connect
 timeout), or a 503. A connection that broke after sending it, a read timeout or another 5xx may
 come after the tool ran, and running it twice could repeat its effect (a payment, a file
@@ -30,7 +32,10 @@ new event loop), closed by `close()` or at exit.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import json
+import math
 import os
 import uuid
 from typing import Any
@@ -82,6 +87,7 @@ class RemoteTools:
         self.max_response_bytes = int(max_response_mb * 2**20)
         self._wanted, self._token = tools, token
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.attempt_s = connect_timeout_s + timeout_s  # connecting, then the whole answer
         self._loop: BackgroundLoop | None = None
         self._members: list[Tool] | None = None
 
@@ -96,10 +102,15 @@ class RemoteTools:
         headers = {"Authorization": f"Bearer {self._token}"}
         self._client: httpx.AsyncClient = self._loop.run_sync(_open_client(self.url, headers, self._timeout))
         self._loop.on_close(self._client.aclose)
+        # Each attempt has its limit; this one is for the whole load, backoff included, should a
+        # wait the attempts' limits do not cover (a name lookup) hang it.
+        deadline_s = (self.retries + 1) * self.attempt_s + self.backoff_s * (2 ** self.retries - 1) + 5
         try:
-            offered = _field(self._loop.run_sync(self._request("GET", "/tools")), "tools", list)
+            offered = _field(self._loop.run_sync(self._request("GET", "/tools"), deadline_s), "tools", list)
         except Exception as e:
             self.close()
+            if isinstance(e, concurrent.futures.TimeoutError):
+                e = RemoteToolError(f"no answer within {deadline_s:g} s")
             reason = str(e) if isinstance(e, RemoteToolError) else _what(e)
             raise RemoteToolError(reason if reason.startswith(self.url) else f"{self.url}/tools: {reason}") from None
         return _select(offered, self._wanted, self.url, self)
@@ -118,7 +129,7 @@ class RemoteTools:
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                status, content = await self._send(method, path, body)
+                status, content = await asyncio.wait_for(self._send(method, path, body), self.attempt_s)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never sent: safe to send again
                 problem = _what(e)
                 continue
@@ -133,6 +144,9 @@ class RemoteTools:
                 continue
             except httpx.TimeoutException as e:
                 raise RemoteToolError(f"{method} {path}: no answer ({type(e).__name__})") from None
+            except asyncio.TimeoutError:  # wait_for's: the answer came, but too slowly
+                raise RemoteToolError(f"{method} {path}: no complete answer within {self.attempt_s:g} s "
+                                      "(connect_timeout_s + timeout_s)") from None
             if status in (RETRY_STATUS if repeatable else NOT_RUN_STATUS):
                 problem, reached = f"HTTP {status}: {_detail(content)}", True
                 continue
@@ -198,13 +212,18 @@ class RemoteTool:
         reply = await self.source.request("POST", f"/instances/{self._remote(instance_id)}/execute",
                                           {"arguments": arguments}, repeatable=False)
         _raise_for(reply)
-        # reward and metrics are checked by ToolEnv like a local tool's (a bad one is dropped and counted)
-        return ToolResult(_field(reply, "text", str), reply.get("reward"), reply.get("metrics") or {})
+        # reward and metrics are checked by ToolEnv like a local tool's (a bad one is dropped and
+        # counted); those the server dropped come back as values that are no number, to be counted too
+        text = _field(reply, "text", str)
+        metrics = dict(_field(reply, "metrics", dict)) if reply.get("metrics") else {}
+        stand_ins = (key for n in itertools.count() if (key := f"invalid/{n}") not in metrics)
+        metrics.update({key: math.nan for key in itertools.islice(stand_ins, _invalid(reply))})
+        return ToolResult(text, reply.get("reward"), metrics)
 
     async def reward(self, instance_id: str) -> float | None:
         reply = await self.source.request("POST", f"/instances/{self._remote(instance_id)}/reward")
         _raise_for(reply)
-        return reply.get("reward")
+        return math.nan if _invalid(reply) else reply.get("reward")  # one the server dropped, for ToolEnv to count
 
     async def release(self, instance_id: str) -> None:
         remote = self._remote_ids.pop(instance_id, None)
@@ -243,6 +262,15 @@ def _field(reply: dict[str, Any], key: str, kind: type) -> Any:
     if not isinstance(value, kind):
         raise RemoteToolError(f"the server's answer has no {kind.__name__} '{key}': {_start(json.dumps(reply))}")
     return value
+
+
+def _invalid(reply: dict[str, Any]) -> int:
+    """How many of the tool's values the server dropped (an older server sends no count)."""
+    count = reply.get("invalid", 0)
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 100_000:
+        raise RemoteToolError(f"the server's answer has no count 'invalid' from 0 to 100000: "
+                              f"{_start(json.dumps(reply))}")
+    return count
 
 
 def token_problem(token: str) -> str | None:

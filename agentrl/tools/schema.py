@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import unquote
 
 import jsonschema
 import referencing
@@ -47,6 +48,11 @@ def check_schema(schema: Any) -> str | None:
     dangling = _dangling_ref(params)
     if dangling:
         return f"schema.function.parameters: $ref '{dangling}' does not point to a place inside the schema"
+    dangling = _dangling_ref(with_nullable(params))  # the schema calls are checked against
+    if dangling:
+        return (f"schema.function.parameters: $ref '{dangling}' does not point to a place inside the schema once "
+                "'nullable: true' is spelt as JSON Schema (write a $ref into a nullable node as '#/...', a "
+                "pointer from the top of the parameters)")
     return None
 
 
@@ -70,3 +76,66 @@ def _dangling_ref(params: dict[str, Any]) -> str | None:
                 return ref
         pending.extend((sub, resolver.in_subresource(sub)) for sub in reversed(list(resource.subresources())))
     return None
+
+
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_DATA = {"enum", "const", "default", "examples"}  # values, not schemas
+# Keywords whose subschemas judge a null too; the type-specific ones (items, minimum, ...) pass it.
+_NULL_JUDGES = ("$ref", "$dynamicRef", "allOf", "anyOf", "oneOf", "not", "if")
+
+
+def with_nullable(schema: Any) -> Any:
+    """The schema with OpenAPI's `nullable: true` (what transformers' get_json_schema writes for an
+    `X | None` parameter, and what the model reads) spelt as JSON Schema: also null. jsonschema
+    ignores the keyword, so a null the schema offers would otherwise be refused.
+
+    Spelt in place, so that every node stays where a `$ref` finds it: `type: T` becomes
+    `type: [T, "null"]`, an `enum` gains null, a `const` becomes an `enum` of it and null. A node
+    with `$ref`, `allOf`, `anyOf`, `oneOf`, `not` or `if` (which would refuse the null) is wrapped
+    in `anyOf: [node, {type: null}]`, unless a `$ref` points inside it: there it stays as it is and
+    refuses the null. `nullable` at the top is ignored: the arguments are always an object."""
+    return _spelt(schema, (), _pointer_targets(schema, ()))
+
+
+def _spelt(node: Any, path: tuple[str, ...], targets: list[tuple[str, ...]]) -> Any:
+    out = _map_schemas(node, path, lambda sub, at: _spelt(sub, at, targets))
+    if not isinstance(out, dict) or not path or out.get("nullable") is not True:
+        return out
+    if isinstance(out.get("type"), (str, list)):
+        types = [out["type"]] if isinstance(out["type"], str) else out["type"]
+        out["type"] = types if "null" in types else [*types, "null"]
+    if "const" in out and "enum" not in out:
+        out["enum"] = [out.pop("const")]
+    if isinstance(out.get("enum"), list) and None not in out["enum"]:
+        out["enum"] = [*out["enum"], None]
+    pointed_into = any(len(t) > len(path) and t[:len(path)] == path for t in targets)
+    if any(key in out for key in _NULL_JUDGES) and not pointed_into:
+        return {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+def _pointer_targets(node: Any, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Where the `$ref`s under `node` that are JSON pointers (`#/a/b`) point, as path segments."""
+    found: list[tuple[str, ...]] = []
+    if isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/"):
+        found.append(tuple(unquote(part).replace("~1", "/").replace("~0", "~") for part in node["$ref"][2:].split("/")))
+    _map_schemas(node, path, lambda sub, at: found.extend(_pointer_targets(sub, at)))
+    return found
+
+
+def _map_schemas(node: Any, path: tuple[str, ...], fn: Any) -> Any:
+    """`node` with `fn(subschema, its path)` in place of each subschema (a list's items, a keyword's
+    value, each schema of a map keyed by name); values of `enum`, `const`, ... are kept as they are."""
+    if isinstance(node, list):
+        return [fn(item, (*path, str(i))) for i, item in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DATA:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names → schemas: a name is not a keyword
+            out[key] = {name: fn(sub, (*path, key, name)) for name, sub in value.items()}
+        else:
+            out[key] = fn(value, (*path, key))
+    return out

@@ -12,7 +12,9 @@ with a one-line `detail`.
 
 API (JSON): `GET /tools` → `{"tools": [schema, ...]}`; `POST /instances {"tool", "kwargs",
 "instance_id"}` → `{"instance_id", "error"}`; `POST /instances/{id}/execute {"arguments"}` →
-`{"text", "reward", "metrics", "error"}`; `POST /instances/{id}/reward` → `{"reward", "error"}`;
+`{"text", "reward", "metrics", "error"}`; `POST /instances/{id}/reward` → `{"reward", "error"}`
+(both with `"invalid": N` when N of the tool's reward and metric values were dropped: no finite
+number, or a metric name that is no text; the client counts them as ToolEnv counts a local tool's);
 `DELETE /instances/{id}` → `{"error"}`; `GET /stats`; `GET /health`. Clients name their instances
 (or the server does): a create is safe to resend, and one given up on is still released. Not a
 sandbox: tools run in this process with its rights (the `python` tool brings its own).
@@ -86,6 +88,15 @@ class Live:
     release_pending: bool = False  # released by a client while busy: the last call to end releases it
 
 
+@dataclass
+class Creating:
+    """A create still running: its tool, its answer once it has one, and whether a release came."""
+
+    tool: str
+    answer: asyncio.Future[tuple[str, str | None]]
+    released: bool = False
+
+
 class ToolHost:
     """The tools, their live instances, and the gate and clock every call goes through."""
 
@@ -93,7 +104,7 @@ class ToolHost:
         self.tools = {tool_name(t): t for t in tools}
         self.settings = settings
         self.instances: dict[str, Live] = {}
-        self.creating: dict[str, bool] = {}  # instances whose create is running: whether a release came meanwhile
+        self.creating: dict[str, Creating] = {}  # instances whose create is running
         self.gate = asyncio.Semaphore(settings.max_concurrency)
         self.stats: dict[str, dict[str, OpStats]] = defaultdict(lambda: defaultdict(OpStats))
         self.expired, self.responses = 0, Counter[int]()
@@ -170,27 +181,47 @@ class ToolHost:
 
     async def create(self, tool: str, kwargs: dict[str, Any], instance_id: str) -> tuple[str, str | None]:
         """Make `instance_id` once: (id, None), or (id, error) if the tool failed or a release came
-        meanwhile. Creates in flight count against the cap and hold their id from the first wait on."""
+        meanwhile. Creates in flight count against the cap and hold their id from the first wait on.
+        The same create sent again meanwhile (a client's retry after a dropped connection or a
+        proxy's 5xx) waits for the first and gets its answer: refused, the client would release
+        the instance the first one is making."""
         live = self.instances.get(instance_id)
         if live is not None and live.tool == tool:  # sent again: the first create made it
             live.last_used = time.monotonic()
             return instance_id, None
-        if live is not None or instance_id in self.creating:
+        pending = self.creating.get(instance_id)
+        if live is None and pending is not None and pending.tool == tool:
+            return await asyncio.shield(pending.answer)  # this request's end does not cancel the first
+        if live is not None or pending is not None:
             raise HTTPException(409, as_text(f"instance '{instance_id}' exists or is being created"))
-        self.creating[instance_id] = False
+        pending = self.creating[instance_id] = Creating(tool, asyncio.get_running_loop().create_future())
+        # read, so an answer no resend waited for logs no "exception was never retrieved"
+        pending.answer.add_done_callback(lambda answer: answer.cancelled() or answer.exception())
         try:
-            if len(self.instances) + len(self.creating) > self.settings.max_instances:
-                await self.expire()
-            if len(self.instances) + len(self.creating) > self.settings.max_instances:
-                raise HTTPException(429, f"{self.settings.max_instances} instances are live; release some first")
-            made, error, started = await self._call(tool, "create",
-                                                    lambda: self.tools[tool].create(instance_id, **kwargs))
+            answer = await self._create(tool, kwargs, instance_id, pending)
+        except HTTPException as e:  # refused (the cap): so is a resend
+            pending.answer.set_exception(e)
+            raise
+        except BaseException:  # this request was cancelled: a resend is told to send it again
+            pending.answer.set_exception(HTTPException(503, as_text(f"the create of instance '{instance_id}' was "
+                                                                    "interrupted; send it again")))
+            raise
         finally:
-            released = self.creating.pop(instance_id)
+            self.creating.pop(instance_id, None)
+        pending.answer.set_result(answer)
+        return answer
+
+    async def _create(self, tool: str, kwargs: dict[str, Any], instance_id: str,
+                      pending: Creating) -> tuple[str, str | None]:
+        if len(self.instances) + len(self.creating) > self.settings.max_instances:
+            await self.expire()
+        if len(self.instances) + len(self.creating) > self.settings.max_instances:
+            raise HTTPException(429, f"{self.settings.max_instances} instances are live; release some first")
+        made, error, started = await self._call(tool, "create", lambda: self.tools[tool].create(instance_id, **kwargs))
         tool_id = made if isinstance(made, str) and made else instance_id
         if not started:  # the tool never saw it: nothing to free (and `error` says why)
             return instance_id, error
-        if error is not None or released:  # what a failed create made is the tool's to free, as in ToolEnv
+        if error is not None or pending.released:  # what a failed create made is the tool's to free, as in ToolEnv
             await self.call(tool, "release", lambda: self.tools[tool].release(tool_id))
             error = error or "released while it was being created"
         else:
@@ -331,23 +362,31 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         if not isinstance(result, ToolResult):
             result = ToolResult(result)
         text = capped_text(result.text, host.settings.max_output_chars)
-        # Only finite numbers cross the wire (JSON has no NaN); the client's ToolEnv counts the rest.
-        given = result.metrics.items() if isinstance(result.metrics, dict) else ()
-        metrics = {as_text(str(k)): n for k, v in given if (n := finite_number(v)) is not None}
+        # Only finite numbers cross the wire (JSON has no NaN); the count of the others goes with
+        # them, for the client's ToolEnv to count as it counts a local tool's (tool_invalid_results).
+        metrics, invalid = {}, 0
+        for key, value in (result.metrics.items() if isinstance(result.metrics, dict) else ()):
+            number = finite_number(value)
+            if number is None or not isinstance(key, str):
+                invalid += 1
+            else:
+                metrics[as_text(key)] = number
         reward = finite_number(result.reward, REWARD_LIMIT)
-        return {"text": text, "reward": reward, "metrics": metrics, "error": None}
+        invalid += result.reward is not None and reward is None
+        return with_invalid({"text": text, "reward": reward, "metrics": metrics, "error": None}, invalid)
 
     @app.post("/instances/{instance_id}/reward", dependencies=[auth])
     async def reward(instance_id: str) -> dict[str, Any]:
         live = host.instance(instance_id)
         async with host.using(live):
             value, error = await host.call(live.tool, "reward", lambda: host.tools[live.tool].reward(live.tool_id))
-        return {"reward": finite_number(value, REWARD_LIMIT), "error": error}
+        reward = finite_number(value, REWARD_LIMIT)
+        return with_invalid({"reward": reward, "error": error}, int(value is not None and reward is None))
 
     @app.delete("/instances/{instance_id}", dependencies=[auth])
     async def release(instance_id: str) -> dict[str, Any]:
         if instance_id in host.creating:  # its create releases it once the tool has made it
-            host.creating[instance_id] = True
+            host.creating[instance_id].released = True
             return {"error": None}
         live = host.instances.pop(instance_id, None) or host.instance(instance_id)  # 404 if unknown
         if live.busy:  # a call its client gave up on still runs (being cancelled): it releases when it ends
@@ -355,6 +394,11 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
             return {"error": None}
         _, error = await host.call(live.tool, "release", lambda: host.tools[live.tool].release(live.tool_id))
         return {"error": error}
+
+
+def with_invalid(answer: dict[str, Any], invalid: int) -> dict[str, Any]:
+    """The answer, with the count of the values dropped from it when there are any."""
+    return {**answer, "invalid": invalid} if invalid else answer
 
 
 def capped_text(value: Any, max_chars: int) -> str:
