@@ -297,9 +297,10 @@ def test_an_episode_out_of_turns_is_max_turns_even_when_the_last_tool_output_wou
         """
         return "word " * n
 
-    for context, finish, appended in ((400, "max_turns", False), (4000, "max_turns", True), (150, "length", False)):
+    # 260: the prompt (195 tokens) and the call fit, the tool's 200 words do not, and a turn is left
+    for context, finish, appended in ((400, "max_turns", False), (4000, "max_turns", True), (260, "length", False)):
         engine = ScriptedEngine(tokenizer, [call("wordy", n=200), FINAL])
-        settings = EpisodeSettings(max_turns=1 if context != 150 else 2, max_context_tokens=context,
+        settings = EpisodeSettings(max_turns=1 if context != 260 else 2, max_context_tokens=context,
                                    max_tool_output_tokens=256)
         traj = asyncio.run(EpisodeRunner(engine, tokenizer, [wordy], parse_hermes, settings).run(
             Task(id="t", prompt="Go."), "g"))

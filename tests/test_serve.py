@@ -417,7 +417,10 @@ def test_an_agent_that_never_finishes_fails_its_episode_within_the_timeout(token
     assert traj.metrics["turns"] == 1 and sum(traj.loss_mask) == len(engine.turns[0])
 
 
-def test_a_prompt_over_the_context_limit_ends_as_length_like_the_builtin_loop(tokenizer):
+def test_a_prompt_over_the_context_limit_fails_like_the_builtin_loop(tokenizer):
+    """An episode with no room to generate fails, naming the sizes, so the run counts it against
+    trainer.max_failed_fraction; it used to end as 'length' with nothing sampled, and a recipe whose
+    every prompt was too long trained on nothing without a word."""
     settings = {"max_context_tokens": 60}  # the task's prompt with the calculator schema is longer
     builtin = EpisodeRunner(ScriptedEngine(tokenizer, [ANSWER]), tokenizer, [calculator], parse_hermes,
                             EpisodeSettings(**settings), reward_fn=gsm8k_reward)
@@ -428,12 +431,14 @@ def test_a_prompt_over_the_context_limit_ends_as_length_like_the_builtin_loop(to
         traj = asyncio.run(runner.run(TASK, "g"))
     finally:
         runner.close()
+    prompt = ids_of(tokenizer, TASK.messages())
     assert (traj.finish, traj.error, traj.reward) == (expected.finish, expected.error, expected.reward) == \
-        ("length", None, 0.0)
-    assert traj.token_ids == expected.token_ids == ids_of(tokenizer, TASK.messages()) and len(traj.token_ids) > 60
+        ("error", f"ValueError: the prompt is {len(prompt)} tokens, and rollout.max_context_tokens (60) leaves no "
+                  "room to generate", None)
+    assert traj.token_ids == expected.token_ids == prompt and len(traj.token_ids) > 60
     assert traj.loss_mask == expected.loss_mask == [0] * len(traj.token_ids)
     assert traj.messages == expected.messages == TASK.messages()
-    assert engine.prompts == [] and "error" not in traj.metrics and traj.metrics["turns"] == 0.0
+    assert engine.prompts == [] and traj.metrics["error"] == expected.metrics["error"] == 1.0
 
 
 async def shortening_agent(ctx, task):

@@ -101,6 +101,9 @@ class EpisodeRunner:
                 await self._interaction_call(interaction.start(copy.deepcopy(task)))
             traj.messages = task.messages(s.system_prompt)
             traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
+            if len(traj.token_ids) >= s.max_context_tokens:  # a failure the run counts, not an empty episode
+                raise ValueError(f"the prompt is {len(traj.token_ids)} tokens, and rollout.max_context_tokens "
+                                 f"({s.max_context_tokens}) leaves no room to generate")
             while turns < s.max_turns:
                 budget = min(s.max_new_tokens_per_turn, s.max_context_tokens - len(traj.token_ids))
                 if budget <= 0:

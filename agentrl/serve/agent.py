@@ -231,6 +231,11 @@ class AgentRunner:
         if not session.segments:  # refused before any turn: what the builtin loop records for a prompt too long
             traj.messages = task.messages(s.system_prompt)
             traj.append(self.renderer.prompt_ids(traj.messages), trainable=False)
+            if session.refused == "length":
+                traj.finish, traj.error = "error", failure_text(ValueError(
+                    f"the prompt is {len(traj.token_ids)} tokens, and rollout.max_context_tokens "
+                    f"({s.max_context_tokens}) leaves no room to generate"))
+                return traj
         traj.finish = session.refused or traj.finish
         outcome = outcome_reward(self.reward_fn, copy.deepcopy(task), copy.deepcopy(traj.messages))
         traj.reward = checked_total(outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
