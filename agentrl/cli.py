@@ -201,8 +201,21 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with overrides anywhere after the recipe: argparse ends a positional list at
+    the first option, so `serve R --port 9 a=1` left `a=1` unrecognised (and its intermixed parsing
+    does not take subcommands)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     args.own_command_line = argv is None  # sys.argv: the command may be re-executed as typed
     # Without this, atexit and finally blocks never run. Not for the servers: uvicorn handles its signals.
     for signum in (signal.SIGTERM, signal.SIGHUP) if args.func is _recipe_command else ():

@@ -442,3 +442,17 @@ def test_a_home_directory_in_a_path_is_expanded(monkeypatch, tmp_path):
                                                      "data.files=[~/tasks.jsonl]"])
     assert (config.output_dir, config.sft.output, config.data.files) == (
         f"{tmp_path}/runs/x", f"{tmp_path}/sft", [f"{tmp_path}/tasks.jsonl"])
+
+
+def test_overrides_may_follow_an_option(capsys):
+    """The README's `serve RECIPE [key=value ...] [--host H] [--port N]`, in either order: an override
+    after --port was an unrecognised argument."""
+    from agentrl.cli import parse_arguments
+
+    args = parse_arguments(["serve", "recipes/quickstart.yaml", "rollout.top_p=0.9", "--port", "9",
+                            "rollout.temperature=0.5"])
+    assert (args.overrides, args.port) == (["rollout.top_p=0.9", "rollout.temperature=0.5"], 9)
+    with pytest.raises(SystemExit) as exit_:
+        parse_arguments(["serve", "recipes/quickstart.yaml", "--port", "9", "--bogus", "a=1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "agentrl: error: unrecognized arguments: --bogus a=1"
