@@ -234,6 +234,8 @@ def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answ
         prompt = [normalize_tool_calls(m) for m in prompt]
     elif not isinstance(prompt, str):
         raise ConfigError(f"{where}: '{prompt_key}' must be text or a list of chat messages, not {_kind(prompt)}")
+    elif not prompt.strip():  # its episodes would train on answers to nothing
+        raise ConfigError(f"{where}: '{prompt_key}' is empty")
     answer = None
     if answer_key:
         answer = _required(row, answer_key, where, "data.answer_key: null runs tasks without answers")
@@ -330,6 +332,20 @@ def arithmetic_demonstrations(n: int, seed: int, min_digits: int, max_digits: in
     return conversations
 
 
+class RepeatedJSONKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        seen: set[str] = set()
+        raise RepeatedJSONKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return row
+
+
 def jsonl_objects(path: str | Path, cut_short_end: bool = False,
                   non_finite: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-empty line of a JSONL file; a line that is not UTF-8 or not
@@ -339,7 +355,8 @@ def jsonl_objects(path: str | Path, cut_short_end: bool = False,
     With `cut_short_end` (files a run appends to), a last line that has no newline and does not
     parse, as a process killed while writing it leaves it, is skipped with a warning. With
     `non_finite` (agentrl's own output, which Python's json writes), NaN and Infinity read as floats:
-    a diverged step's loss must not make its run unreadable; in task files they are refused."""
+    a diverged step's loss must not make its run unreadable; in task files they are refused, and so
+    is a key repeated in one object (JSON would keep its last value without a word)."""
     with open(path, "rb") as file:  # line by line: a task file may not fit in memory twice
         for number, raw in enumerate(file, start=1):
             raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw  # a UTF-8 BOM is no text
@@ -347,7 +364,10 @@ def jsonl_objects(path: str | Path, cut_short_end: bool = False,
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                row = json.loads(line, parse_constant=None if non_finite else _not_json)
+                row = json.loads(line, parse_constant=None if non_finite else _not_json,
+                                 object_pairs_hook=None if non_finite else _unique_keys)
+            except RepeatedJSONKey as e:  # json keeps the last silently; a YAML recipe refuses the same
+                raise ConfigError(f"{path}:{number}: key '{e.key}' appears twice in one object") from None
             except RecursionError:  # nesting deeper than Python's json parser goes
                 raise ConfigError(f"{path}:{number}: not valid JSON (nested too deeply to read)") from None
             except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -58,6 +58,11 @@ def test_jsonl_rows_with_field_mapping(tmp_path):
     ('{"question": "q", "answer": "#### 3",', "3: not valid JSON (Expecting property name enclosed in double quotes)"),
     ("[1, 2]", "3: expected a JSON object"),
     ('{"question": "q", "answer": NaN}', "3: not valid JSON (NaN is not JSON)"),  # it would have been 'nan'
+    # both used to load: an empty prompt, and the last of a repeated key
+    ('{"question": " \\n ", "answer": "#### 3"}', "3: 'question' is empty"),
+    ('{"question": "What is 2+2?", "answer": "4", "question": "x"}', "3: key 'question' appears twice in one object"),
+    ('{"question": [{"role": "user", "content": "a", "content": "b"}], "answer": "1"}',
+     "3: key 'content' appears twice in one object"),
 
     (b'{"question": "caf\xe9", "answer": "1"}', "3: not UTF-8 text (byte 0xe9 at column 18)"),
 ])
