@@ -187,6 +187,9 @@ class RewardConfig(_Section):
     tool_step_rewards: bool = Field(False, description="Add the tools' per-call rewards.")
     tool_final_rewards: bool = Field(False, description="Add each tool's end-of-episode reward.")
     interaction_scores: bool = Field(False, description="Add the interaction's scores.")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds the reward function may take for one episode (it "
+                                                     "runs on a worker thread, several episodes' at once); past "
+                                                     "it the episode fails (finish: error) and the run goes on.")
 
 
 class SFTConfig(_Section):

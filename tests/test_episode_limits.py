@@ -12,6 +12,7 @@ from agentrl.rollout.collect import collect
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.tools.base import ToolResult
 from agentrl.tools.parsers import ParsedTurn, parse_hermes
+from agentrl.tools.threads import run_with_daemon_threads
 from agentrl.types import Task, ToolCall
 from tests.conftest import ScriptedEngine
 
@@ -87,3 +88,41 @@ def test_what_an_interaction_changes_in_its_task_stays_in_its_episode(tokenizer)
     assert [t.error for t in trajectories] == [None] * 4
     assert Persona.seen == ["impatient"] * 4 and rewarded == ["impatient"] * 4
     assert task.interaction_kwargs == {"persona": "impatient"}
+
+
+def run_group(tokenizer, reward_fn, **settings):
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, ["It is 4."] * 4), tokenizer, [], parse_hermes,
+                           EpisodeSettings(**settings), reward_fn=reward_fn)
+    # daemon threads, as a run has: asyncio.run would wait for a hung reward function's thread at its end
+    return run_with_daemon_threads(collect(runner, [Task(id="r", prompt="2+2?", answer="#### 4")], group_size=4,
+                                           max_concurrent=4))
+
+
+def test_reward_functions_run_off_the_event_loop_several_at_once(tokenizer):
+    """A grader that calls a judge held every episode while it ran: on the event loop, the four calls
+    ran one after another, so four that wait for each other never met; and `asyncio.run` inside one
+    failed every episode."""
+    import threading
+
+    meet = threading.Barrier(4, timeout=10)
+
+    async def judge():
+        return 1.0
+
+    def grader(task, messages):
+        meet.wait()
+        return asyncio.run(judge())
+
+    assert [(t.error, t.reward) for t in run_group(tokenizer, grader)] == [(None, 1.0)] * 4
+
+
+def test_a_reward_function_that_hangs_fails_its_episode_at_the_timeout(tokenizer):
+    import threading
+
+    release = threading.Event()
+    try:
+        trajectories = run_group(tokenizer, lambda task, messages: release.wait(), reward_timeout_s=0.2)
+    finally:
+        release.set()
+    assert [(t.finish, t.error) for t in trajectories] == [
+        ("error", "TimeoutError: the reward function did not answer within 0.2 s (reward.timeout_s)")] * 4

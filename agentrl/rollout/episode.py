@@ -14,6 +14,7 @@ This module does not batch (the engine does), schedule episodes (collect.py does
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 import sys
@@ -52,6 +53,7 @@ class EpisodeSettings:
     interaction_scores: bool = False  # add the interaction's scores
     interaction_timeout_s: float = 60.0  # per call into the interaction; past it the episode fails
     agent_timeout_s: float = 1800.0  # per episode of an agent function (rollout.agent); past it the episode fails
+    reward_timeout_s: float = 60.0  # per call of the reward function; past it the episode fails
 
 
 class EpisodeRunner:
@@ -154,7 +156,7 @@ class EpisodeRunner:
                     except Exception:
                         if not failing:
                             raise
-        self._reward(task, traj, env.step_rewards, tool_final, [x for x in scores if x is not None])
+        await self._reward(task, traj, env.step_rewards, tool_final, [x for x in scores if x is not None])
 
     def _new_interaction(self) -> Interaction:
         """This episode's instance; a constructor that fails (or calls sys.exit()) fails the episode."""
@@ -207,11 +209,11 @@ class EpisodeRunner:
             raise InteractionError(f"the interaction's respond returned text {reply.text!r}, not a string")
         return [{"role": "user", "content": reply.text}]
 
-    def _reward(self, task: Task, traj: Trajectory, step_rewards: list[float], tool_final: float,
-                scores: list[float]) -> None:
+    async def _reward(self, task: Task, traj: Trajectory, step_rewards: list[float], tool_final: float,
+                      scores: list[float]) -> None:
         """The episode's reward: the outcome, plus the tool and interaction rewards the settings add."""
         s = self.settings
-        outcome = outcome_reward(self.reward_fn, copy.deepcopy(task), copy.deepcopy(traj.messages))
+        outcome = await threaded_outcome_reward(self.reward_fn, task, traj.messages, s.reward_timeout_s)
         traj.reward = checked_total(outcome + (sum(step_rewards) if s.tool_step_rewards else 0.0)
                                     + (tool_final if s.tool_final_rewards else 0.0)
                                     + (sum(scores) if s.interaction_scores else 0.0))
@@ -219,6 +221,22 @@ class EpisodeRunner:
                              "tool_final_reward": tool_final})
         if self.interaction_factory:
             traj.metrics["interaction_score"] = sum(scores)
+
+
+async def threaded_outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[str, Any]],
+                                  timeout_s: float) -> float:
+    """outcome_reward on a copy of the task and messages, on a worker thread, for at most `timeout_s`.
+
+    Not on the event loop: a grader that calls a judge over HTTP, or runs `asyncio.run` itself,
+    would hold every other episode and generation while it runs (or fail, as `asyncio.run` does
+    inside a running loop), and one that hangs would hang the run."""
+    if reward_fn is None:
+        return 0.0
+    work = asyncio.to_thread(outcome_reward, reward_fn, copy.deepcopy(task), copy.deepcopy(messages))
+    try:
+        return await call_plugin(work, timeout_s, "the reward function")
+    except CallTimeout:
+        raise TimeoutError(f"the reward function did not answer within {timeout_s:g} s (reward.timeout_s)") from None
 
 
 def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[str, Any]]) -> float:

@@ -68,6 +68,7 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
         tool_limits=ToolLimits(timeout_s=r.tool_timeout_s, max_calls_per_turn=r.max_tool_calls_per_turn,
                                parallel_calls=r.parallel_tool_calls),
         interaction_timeout_s=r.interaction_timeout_s, agent_timeout_s=r.agent_timeout_s,
+        reward_timeout_s=config.reward.timeout_s,
         tool_step_rewards=config.reward.tool_step_rewards, tool_final_rewards=config.reward.tool_final_rewards,
         interaction_scores=config.reward.interaction_scores)
 

@@ -33,7 +33,6 @@ This module does not sample, interpret turns or record (service.py and sessions.
 from __future__ import annotations
 
 import asyncio
-import copy
 import inspect
 import json
 import threading
@@ -48,7 +47,7 @@ from agentrl.env.tool_env import ToolEnv, ToolLimits
 from agentrl.errors import ConfigError
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
-from agentrl.rollout.episode import EpisodeSettings, checked_total, outcome_reward
+from agentrl.rollout.episode import EpisodeSettings, checked_total, threaded_outcome_reward
 from agentrl.serve.app import create_app
 from agentrl.serve.protocol import SESSION_HEADER
 from agentrl.serve.server import BackgroundServer, serve_settings
@@ -237,7 +236,7 @@ class AgentRunner:
                     f"({s.max_context_tokens}) leaves no room to generate"))
                 return traj
         traj.finish = session.refused or traj.finish
-        outcome = outcome_reward(self.reward_fn, copy.deepcopy(task), copy.deepcopy(traj.messages))
+        outcome = await threaded_outcome_reward(self.reward_fn, task, traj.messages, s.reward_timeout_s)
         traj.reward = checked_total(outcome + (sum(env.step_rewards) if s.tool_step_rewards else 0.0)
                                     + (tool_final if s.tool_final_rewards else 0.0))
         traj.metrics.update({"outcome_reward": outcome, "tool_step_reward": sum(env.step_rewards),
