@@ -141,6 +141,8 @@ class RolloutConfig(_Section):
         60.0, gt=0, description="Seconds one call into the interaction (start, respond, finish) may take; "
                                 "past it the episode fails (finish: error) and the run goes on.")
     max_tool_output_tokens: int = Field(256, ge=8, description="Tool output beyond this is cut, with a marker.")
+    max_interaction_tokens: int = Field(1024, ge=8, description="An interaction's reply (a simulated user's "
+                                                                "turn) beyond this is cut, with a marker.")
     max_context_tokens: int = Field(2048, ge=16, description="Prompt plus every turn, in tokens.")
     max_new_tokens_per_turn: int = Field(256, ge=1, description="Tokens one assistant turn may sample.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")

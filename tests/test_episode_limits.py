@@ -126,3 +126,31 @@ def test_a_reward_function_that_hangs_fails_its_episode_at_the_timeout(tokenizer
         release.set()
     assert [(t.finish, t.error) for t in trajectories] == [
         ("error", "TimeoutError: the reward function did not answer within 0.2 s (reward.timeout_s)")] * 4
+
+
+class Rambler:
+    """A simulated user who answers with a megabyte of text, then ends the episode."""
+
+    async def start(self, task):
+        self.replies = 0
+
+    async def respond(self, messages):
+        self.replies += 1
+        return Turn("word " * 200_000, done=False, score=None) if self.replies == 1 else Turn("", done=True)
+
+    async def finish(self):
+        return None
+
+
+def test_an_interactions_reply_is_cut_to_max_interaction_tokens(tokenizer):
+    """The whole reply went into the context: a megabyte held the event loop for seconds, and then
+    the episode ended at the context limit without the model seeing a word of it."""
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, ["Hello.", "Bye."]), tokenizer, [], parse_hermes,
+                           EpisodeSettings(max_interaction_tokens=16, max_context_tokens=256),
+                           interaction_factory=Rambler)
+    traj = asyncio.run(runner.run(Task(id="u", prompt="Hi."), group_id="g"))
+    assert (traj.finish, traj.error, traj.metrics["turns"]) == ("stop", None, 2.0)
+    user = traj.messages[2]["content"]
+    cut, was_cut = runner.renderer.truncate("word " * 200_000, 16)
+    assert was_cut and user == cut and user.startswith("word word")
+    assert traj.metrics["interaction_truncations"] == 1.0

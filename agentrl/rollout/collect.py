@@ -136,6 +136,7 @@ def summarize(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]
         scored = [t for t in ok if "interaction_score" in t.metrics]
         summary["interaction_score_mean"] = sum(t.metrics["interaction_score"] for t in scored) / max(len(scored), 1)
         summary["interaction_invalid_scores"] = total("interaction_invalid_scores")
+        summary["interaction_truncations"] = total("interaction_truncations")
     for finish in ("stop", "length", "max_turns", "error"):
         summary[f"finish_{finish}"] = sum(1 for t in trajectories if t.finish == finish) / n
     for name in sorted({key.split("/")[1] for t in trajectories for key in t.metrics if key.startswith("tool/")}):

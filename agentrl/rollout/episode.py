@@ -44,6 +44,7 @@ class EpisodeSettings:
     max_context_tokens: int = 2048
     max_new_tokens_per_turn: int = 256
     max_tool_output_tokens: int = 256
+    max_interaction_tokens: int = 1024  # an interaction's reply beyond this is cut, with a marker
     temperature: float = 1.0
     top_p: float = 1.0
     system_prompt: str | None = None
@@ -96,6 +97,7 @@ class EpisodeRunner:
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
                       lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
         interaction, scores, turns, fallbacks = None, [], 0, 0  # scores: the interaction's, one per reply
+        cuts = [0]  # interaction replies cut to max_interaction_tokens
         try:  # from here on, whatever fails, the tools' and the interaction's instances are released
             await env.start(uuid.uuid4().hex[:12], task)
             interaction = self._new_interaction() if self.interaction_factory else None
@@ -127,7 +129,7 @@ class EpisodeRunner:
                 assistant, exact = self.renderer.assistant_message(traj.messages, text, parsed, completion.token_ids)
                 fallbacks += not exact  # this turn's own rendering differs from its sample
                 traj.messages.append(assistant)
-                new = await self._answer(env, interaction, parsed, traj.messages, scores)
+                new = await self._answer(env, interaction, parsed, traj.messages, scores, cuts)
                 if new is None:
                     traj.finish = "stop"
                     break
@@ -149,6 +151,7 @@ class EpisodeRunner:
                 traj.metrics.update(env.metrics, turns=float(turns), template_fallbacks=float(fallbacks))
                 if self.interaction_factory:
                     traj.metrics["interaction_invalid_scores"] = float(scores.count(None))
+                    traj.metrics["interaction_truncations"] = float(cuts[0])
                 failing = sys.exc_info()[1] is not None  # then the episode's own failure is the one reported
                 if interaction:
                     try:
@@ -184,10 +187,13 @@ class EpisodeRunner:
             raise InteractionError(f"the interaction's {method} raised {failure_text(e)}") from e
 
     async def _answer(self, env: ToolEnv, interaction: Interaction | None, parsed: ParsedTurn,
-                      messages: list[dict[str, Any]], scores: list[float | None]) -> list[dict[str, Any]] | None:
+                      messages: list[dict[str, Any]], scores: list[float | None],
+                      cuts: list[int]) -> list[dict[str, Any]] | None:
         """The messages answering an assistant turn: its tools' (for calls, malformed ones too), else
         the interaction's reply, whose score goes to `scores` (None when it is not a finite number:
-        a NaN would poison every advantage of the group). None when the episode ends here."""
+        a NaN would poison every advantage of the group). None when the episode ends here. A reply
+        longer than max_interaction_tokens is cut, as tool output is, and counted in `cuts`: a
+        megabyte of it held the event loop for seconds and then ended the episode at the context limit."""
         if parsed.calls or parsed.errors:
             return await env.run_turn(parsed)
         if interaction is None:
@@ -207,7 +213,9 @@ class EpisodeRunner:
             return None
         if not isinstance(reply.text, str):  # None would be shown to the model as an empty user turn
             raise InteractionError(f"the interaction's respond returned text {reply.text!r}, not a string")
-        return [{"role": "user", "content": reply.text}]
+        text, cut = self.renderer.truncate(reply.text, self.settings.max_interaction_tokens)
+        cuts[0] += cut
+        return [{"role": "user", "content": text}]
 
     async def _reward(self, task: Task, traj: Trajectory, step_rewards: list[float], tool_final: float,
                       scores: list[float]) -> None:

@@ -64,6 +64,7 @@ def episode_settings(config: RecipeConfig) -> EpisodeSettings:
     return EpisodeSettings(
         max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
         max_new_tokens_per_turn=r.max_new_tokens_per_turn, max_tool_output_tokens=r.max_tool_output_tokens,
+        max_interaction_tokens=r.max_interaction_tokens,
         temperature=r.temperature, top_p=r.top_p, system_prompt=r.system_prompt,
         tool_limits=ToolLimits(timeout_s=r.tool_timeout_s, max_calls_per_turn=r.max_tool_calls_per_turn,
                                parallel_calls=r.parallel_tool_calls),
