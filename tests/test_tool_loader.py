@@ -122,6 +122,11 @@ def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
     ("tools: [\n", "not valid YAML"),
     ('tools:\n  - class: calculator\n    schema: {type: function, function: {name: "c\\n", parameters: {type: object}}}\n',
      "tool 'c\\n' (#1): schema.function.name 'c\\n' must match"),  # `$` would match before the newline
+    # both loaded: the model would have read a list as the tool's description
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, description: [a, b]}}\n",
+     "tool 'c' (#1): schema.function.description must be text, not list"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, strict: 'yes'}}\n",
+     "tool 'c' (#1): schema.function.strict must be true or false, not 'yes'"),
     ("tools:\n  - class: python\n    config: {timeout_s: .nan}\n",
      "failed: wall_s must be a positive finite number, got nan"),  # `nan <= 0` is False
     ("tools:\n  - class: python\n    config: {cpu_s: .inf}\n", "failed: cpu_s must be a positive finite number, got inf"),

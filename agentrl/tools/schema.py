@@ -36,6 +36,10 @@ def check_schema(schema: Any) -> str | None:
         return "schema.function.name is missing"
     if not _NAME_RE.fullmatch(fn["name"]):  # match() would let a trailing newline through
         return f"schema.function.name {fn['name']!r} must match {_NAME_RE.pattern}"
+    if fn.get("description") is not None and not isinstance(fn["description"], str):  # the model reads it as text
+        return f"schema.function.description must be text, not {type(fn['description']).__name__}"
+    if "strict" in fn and not isinstance(fn["strict"], bool):
+        return f"schema.function.strict must be true or false, not {fn['strict']!r}"
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict) or params.get("type") != "object":
         return "schema.function.parameters must be a JSON Schema with type: object"
