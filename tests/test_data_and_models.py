@@ -407,3 +407,22 @@ def test_a_task_file_with_fewer_rows_than_asked_for_is_named_and_its_rows_are_us
     key, count_key = ("eval.files", "eval.num_tasks") if eval_files else ("data.files", "data.num_tasks")
     assert capsys.readouterr().err == ("" if num_tasks == 3 else (
         f"agentrl: warning: {count_key} is 5, but {key} ['{data}'] has 3 rows: the run uses those 3\n"))
+
+
+def test_answers_gsm8k_reward_cannot_read_are_named_in_a_warning(tmp_path, capsys):
+    """A task whose answer holds no number scores 0 whatever the model says; such rows loaded without a word."""
+    from agentrl.recipe import load_recipe
+    from agentrl.rollout.run import load_tasks
+
+    data = tmp_path / "tasks.jsonl"
+    rows = [{"question": "2+2?", "answer": "#### 4"}, {"question": "How many?", "answer": "four"},
+            {"question": "And now?", "answer": "#### "}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_recipe(None, ["data.source=files", f"data.files=[{data}]", "data.num_tasks=3"])
+    assert len(load_tasks(config)) == 3
+    assert capsys.readouterr().err == (
+        f"agentrl: warning: 2 of 3 tasks have an answer with no number (first: {data}:2: 'four'), so "
+        "reward.function (gsm8k_reward) scores every episode of them 0\n")
+    load_tasks(load_recipe(None, ["data.source=files", f"data.files=[{data}]", "data.num_tasks=3",
+                                  "reward.function=my_rewards:score"]))
+    assert capsys.readouterr().err == ""  # another reward function reads answers its own way

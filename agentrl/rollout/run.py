@@ -30,6 +30,7 @@ from agentrl.rollout.engine import Engine
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.rollout.hf_engine import HFEngine
 from agentrl.rollout.memory_saver import memory_saver_for
+from agentrl.tools.builtin.gsm8k import ground_truth_number
 from agentrl.tools.loader import close_tools, load_tool_files
 from agentrl.tools.parsers import get_parser
 from agentrl.tools.threads import failure_text
@@ -56,6 +57,13 @@ def load_tasks(config: RecipeConfig, files_key: str = "data.files") -> list[Task
         count_key = "eval.num_tasks" if files_key == "eval.files" else "data.num_tasks"
         print(f"agentrl: warning: {count_key} is {d.num_tasks}, but {key} {where} has {len(tasks)} rows: "
               f"the run uses those {len(tasks)}", file=sys.stderr)
+    if config.reward.function == "agentrl.env.rewards:gsm8k_reward":
+        unscorable = [t for t in tasks if t.answer is not None and ground_truth_number(t.answer) is None]
+        if unscorable:  # every episode of these scores 0, right or wrong
+            first = unscorable[0]
+            print(f"agentrl: warning: {len(unscorable)} of {len(tasks)} tasks have an answer with no number "
+                  f"(first: {first.metadata.get('where', first.id)}: {first.answer[:60]!r}), so reward.function "
+                  "(gsm8k_reward) scores every episode of them 0", file=sys.stderr)
     return tasks
 
 
