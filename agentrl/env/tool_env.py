@@ -158,6 +158,8 @@ class ToolEnv:
         and counted (tool_invalid_results); the text still goes to the model."""
         text = as_text(result.text if isinstance(result, ToolResult) else result)
         if isinstance(result, ToolResult):
+            dropped = result.dropped  # by a tool server, before the result came here
+            self.metrics["tool_invalid_results"] += dropped if isinstance(dropped, int) and dropped > 0 else 0
             reward = finite_number(result.reward, REWARD_LIMIT)
             if result.reward is not None and reward is None:
                 self.metrics["tool_invalid_results"] += 1

@@ -34,6 +34,7 @@ class ToolResult:
     text: str
     reward: float | None = None  # a step reward, summed into the trajectory when enabled
     metrics: dict[str, float] = field(default_factory=dict)
+    dropped: int = 0  # reward and metric values a tool server dropped on the way (not finite numbers)
 
 
 @runtime_checkable

@@ -56,6 +56,7 @@ from typing import Any
 from agentrl.tools.background_loop import BackgroundLoop
 from agentrl.tools.base import Tool, ToolResult
 from agentrl.tools.loader import url_shown
+from agentrl.tools.remote import unsendable
 
 # Maps keyed by property (or definition) name, whose keys are never annotations: a property called
 # "title" stays. dependentRequired's values are name lists, which the walk leaves as they are.
@@ -340,12 +341,11 @@ def _expanded(values: dict[str, str] | None, key: str) -> dict[str, str] | None:
 
 def _header_problem(value: str) -> str | None:
     """Why `value` cannot be sent as an HTTP header value, without showing it; None when it can."""
-    bad = next((i for i, c in enumerate(value) if not (" " <= c <= "~" or c == "\t")
-                or (c in " \t" and i in (0, len(value) - 1))), None)
-    if bad is None:
+    found = unsendable(value, spaces_inside=True)
+    if found is None:
         return None
-    kind = "a newline" if value[bad] in "\r\n" else "a space" if value[bad].isspace() else "a character"
-    return (f"its value has {kind} at position {bad + 1} of {len(value)}, which a header cannot hold (only "
+    position, kind = found
+    return (f"its value has {kind} at position {position} of {len(value)}, which a header cannot hold (only "
             "printable ASCII, spaces only inside; a secret made from a file often ends in a newline)")
 
 

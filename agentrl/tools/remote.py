@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import json
 import math
 import os
@@ -213,12 +212,9 @@ class RemoteTool:
                                           {"arguments": arguments}, repeatable=False)
         _raise_for(reply)
         # reward and metrics are checked by ToolEnv like a local tool's (a bad one is dropped and
-        # counted); those the server dropped come back as values that are no number, to be counted too
-        text = _field(reply, "text", str)
-        metrics = dict(_field(reply, "metrics", dict)) if reply.get("metrics") else {}
-        stand_ins = (key for n in itertools.count() if (key := f"invalid/{n}") not in metrics)
-        metrics.update({key: math.nan for key in itertools.islice(stand_ins, _invalid(reply))})
-        return ToolResult(text, reply.get("reward"), metrics)
+        # counted), and so are those the server dropped already
+        return ToolResult(_field(reply, "text", str), reply.get("reward"), reply.get("metrics") or {},
+                          dropped=_invalid(reply))
 
     async def reward(self, instance_id: str) -> float | None:
         reply = await self.source.request("POST", f"/instances/{self._remote(instance_id)}/reward")
@@ -273,14 +269,29 @@ def _invalid(reply: dict[str, Any]) -> int:
     return count
 
 
+def unsendable(value: str, spaces_inside: bool = False) -> tuple[int, str] | None:
+    """The first character of `value` that an HTTP header cannot carry, as (its position from 1,
+    what it is), without showing the value; None when it can be sent. A bearer token is printable
+    ASCII with no space; another header value (`spaces_inside`) may hold spaces and tabs inside."""
+    def fits(i: int, c: str) -> bool:
+        if spaces_inside and c in " \t":
+            return 0 < i < len(value) - 1
+        return "!" <= c <= "~"
+
+    bad = next((i for i, c in enumerate(value) if not fits(i, c)), None)
+    if bad is None:
+        return None
+    return bad + 1, "a newline" if value[bad] in "\r\n" else "a space" if value[bad].isspace() else "a character"
+
+
 def token_problem(token: str) -> str | None:
     """Why `token` cannot be sent as a bearer token, without showing it; None when it can. An HTTP
     client would refuse the header with its value in the message."""
-    bad = next((i for i, c in enumerate(token) if not "!" <= c <= "~"), None)
-    if bad is None:
+    found = unsendable(token)
+    if found is None:
         return None
-    kind = "a newline" if token[bad] in "\r\n" else "a space" if token[bad].isspace() else "a character"
-    return (f"the token has {kind} at position {bad + 1} of {len(token)}, which a bearer token cannot hold "
+    position, kind = found
+    return (f"the token has {kind} at position {position} of {len(token)}, which a bearer token cannot hold "
             "(only printable ASCII; a secret made from a file often ends in a newline)")
 
 
