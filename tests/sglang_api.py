@@ -26,7 +26,7 @@ SERVER_ARGS = ["model_path", "device", "dtype", "random_seed", "tp_size", "mem_f
                "skip_tokenizer_init", "enable_memory_saver", "log_level", "max_total_tokens",
                "attention_backend", "disable_overlap_schedule", "base_gpu_id", "host", "port"]
 ROUTES = ["/generate", "/health_generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/flush_cache",
-          "/release_memory_occupation", "/resume_memory_occupation"]
+          "/release_memory_occupation", "/resume_memory_occupation", "/server_info"]
 REQUESTS = ["GenerateReqInput", "UpdateWeightsFromTensorReqInput", "UpdateWeightFromDiskReqInput",
             "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"]
 
