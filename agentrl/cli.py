@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl: error: {e}", file=sys.stderr)
         return 1
     except Terminated as e:
-        print(f"agentrl: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
+        print(f"agentrl: terminated by {signal.Signals(e.signum).name}{': ' + e.cause if e.cause else ''}",
+              file=sys.stderr)
         return 128 + e.signum  # as a shell reports a command ended by that signal
     except KeyboardInterrupt:
         print("agentrl: interrupted", file=sys.stderr)

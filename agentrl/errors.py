@@ -20,6 +20,7 @@ class Terminated(KeyboardInterrupt):
     SGLang server is stopped. A KeyboardInterrupt, so no plug-in's `sys.exit()` handling takes it
     for one call's failure."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, cause: str = ""):
         super().__init__(signum)
         self.signum = signum
+        self.cause = cause  # said after the signal's name, when the signal has a known sender

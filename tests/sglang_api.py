@@ -24,7 +24,7 @@ ENGINE_METHODS = ["__init__", "async_generate", "update_weights_from_tensor", "f
 TOKENIZER_METHODS = ["flush_cache", "abort_request"]
 SERVER_ARGS = ["model_path", "device", "dtype", "random_seed", "tp_size", "mem_fraction_static",
                "skip_tokenizer_init", "enable_memory_saver", "log_level", "max_total_tokens",
-               "attention_backend", "disable_overlap_schedule", "base_gpu_id", "host", "port"]
+               "attention_backend", "disable_overlap_schedule", "base_gpu_id", "host", "port", "custom_sigquit_handler"]
 ROUTES = ["/generate", "/health_generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/flush_cache",
           "/release_memory_occupation", "/resume_memory_occupation", "/server_info"]
 REQUESTS = ["GenerateReqInput", "UpdateWeightsFromTensorReqInput", "UpdateWeightFromDiskReqInput",

@@ -12,13 +12,17 @@ import base64
 import io
 import pickle
 import re
+import signal
+import sys
 import tarfile
+import types
 from functools import partial
 
 import httpx
 import pytest
 import torch
 
+from agentrl import cli
 from agentrl.errors import ConfigError
 from agentrl.recipe import load_recipe
 from agentrl.rollout import sglang_engine, sglang_server
@@ -274,3 +278,49 @@ def test_sglang_reads_one_payload_per_rank():
     assert "serialized_named_tensors[self.ps.tp_rank]" in worker
     assert re.search(r"MultiprocessingSerializer\.serialize\(tensors\)\s*for _ in range\(self\.server_args\.tp_size\)",
                      sglang_source("entrypoints/engine.py"))
+
+
+# --- a failing scheduler ------------------------------------------------------------------------
+
+class RecordingSGLang:
+    """sglang.Engine's stand-in: keeps the keywords it was started with."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.tokenizer_manager = None
+
+    def shutdown(self):
+        pass
+
+
+def test_a_failing_scheduler_ends_the_run_as_a_signal_does_naming_sglang(monkeypatch, capsys):
+    """SGLang's child processes send their parent SIGQUIT when they fail, and SGLang's own handler then
+    SIGKILLs the parent: a training run vanished without a line. The in-process engine hands SGLang a
+    handler that raises as Ctrl-C does (tests/real_sglang/test_sglang_failure.py crashes a real
+    scheduler), and the CLI says what sent the signal."""
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=RecordingSGLang))
+    engine = SGLangEngine({"model_path": "m", "device": "cuda"})
+    handler = engine._engine.kwargs["custom_sigquit_handler"]
+    engine.close()
+    assert handler is sglang_engine.scheduler_failed  # module level: ServerArgs is pickled for the scheduler
+    assert pickle.loads(pickle.dumps(handler)) is handler
+    with pytest.raises(KeyboardInterrupt) as raised:  # what no episode's `except Exception` takes for its own
+        handler(signal.SIGQUIT, None)
+    assert raised.value.signum == signal.SIGQUIT
+
+    def signalled(args):
+        handler(signal.SIGQUIT, None)
+
+    monkeypatch.setattr(cli, "_allocator", signalled)  # the signal arrives once the command runs
+    assert cli.main(["rollout", "recipes/rollout_cpu.yaml"]) == 128 + signal.SIGQUIT
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "agentrl: terminated by SIGQUIT: SGLang's scheduler processes send it when one of them fails; "
+        "the log above says why")
+
+
+def test_sglang_calls_the_handler_it_is_given_for_sigquit():
+    engine = sglang_source("entrypoints/engine.py")
+    assert "signal.signal(signal.SIGQUIT, server_args.custom_sigquit_handler)" in engine
+    assert re.search(r"def launch_phase_sigquit_handler\(signum, frame\):.*?kill_process_tree\(os\.getpid\(\)\)",
+                     engine, re.S)  # the default it replaces
+    assert "parent_process.send_signal(signal.SIGQUIT)" in sglang_source("managers/scheduler.py")

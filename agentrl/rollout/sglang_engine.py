@@ -34,7 +34,7 @@ from typing import Any, Coroutine, Iterable, Iterator
 import torch
 
 from agentrl.config import RecipeConfig, SGLangConfig
-from agentrl.errors import ConfigError
+from agentrl.errors import ConfigError, Terminated
 from agentrl.hardware import choose_dtype
 from agentrl.models import resolve_model
 from agentrl.rollout.engine import Engine
@@ -231,6 +231,18 @@ def _shared(tensor: torch.Tensor) -> torch.Tensor:
     return out.copy_(tensor)
 
 
+def scheduler_failed(signum: int, frame: object) -> None:
+    """sglang.Engine's SIGQUIT handler in this process. SGLang's scheduler and detokenizer processes
+    send their parent SIGQUIT when they fail, and SGLang's own handler then SIGKILLs the parent with
+    its children: a training run vanished at once, without an error line and without its clean-up
+    (finished episodes, metrics, launched tool servers). Raised as Ctrl-C is (a KeyboardInterrupt,
+    which no episode's or plug-in's error handling takes for its own failure), it ends the run the
+    same way, and `close` then stops what is left of SGLang. Module level: ServerArgs, which holds
+    it, is pickled for SGLang's child processes."""
+    raise Terminated(signum, "SGLang's scheduler processes send it when one of them fails; "
+                             "the log above says why")
+
+
 class SGLangEngine:
     """sglang.Engine in this process (its scheduler in child processes) behind the Engine protocol."""
 
@@ -243,7 +255,7 @@ class SGLangEngine:
         self.weight_version = 0
         self.stats = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._regions = ReleasedRegions()
-        self._engine = sglang.Engine(**args)
+        self._engine = sglang.Engine(**{"custom_sigquit_handler": scheduler_failed, **args})
         self._thread = _LoopThread()
         self._engine.loop = self._thread  # its synchronous calls now run on the thread's loop
         # The longest prompt the scheduler accepts (a longer one is aborted), as the scheduler reported it.
