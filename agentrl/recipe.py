@@ -83,6 +83,13 @@ def training_warnings(config: RecipeConfig) -> list[str]:
     if config.reward.interaction_scores and not r.interaction_config:
         found.append("reward.interaction_scores is true but rollout.interaction_config names no interaction: "
                      "no score is added")
+    lora, t = config.model.lora, config.trainer
+    if lora.rank and lora.dropout > 0 and (t.ppo_epochs > 1 or t.mini_batches > 1):
+        # The old logprobs come from a pass without dropout; the training passes drop adapter inputs.
+        found.append(f"model.lora.dropout {lora.dropout} with trainer.ppo_epochs {t.ppo_epochs} and "
+                     f"trainer.mini_batches {t.mini_batches}: the importance ratio compares logprobs with dropout "
+                     "against logprobs without it, so it is not 1 at unchanged weights and the clip acts on noise "
+                     "(model.lora.dropout 0 keeps the ratio exact)")
     return found
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agentrl.algos.advantages import (gae_advantages, grpo_advantages, reinforce_pp_advantages,
+from agentrl.algos.advantages import (gae_advantages, group_baseline, grpo_advantages, reinforce_pp_advantages,
                                       rloo_advantages)
 from agentrl.algos.losses import aggregate, entropy_from_logits, kl_estimate, ppo_policy_loss, value_loss
 
@@ -38,20 +38,18 @@ def test_failed_members_leave_their_groups_baseline():
     close(grpo_advantages(rewards, valid, normalize_std=False), torch.tensor([[2 / 3, -1 / 3, -1 / 3, 0], [0.0] * 4]))
     # RLOO: 1 - (0+0)/2 = 1; 0 - (1+0)/2 = -0.5
     close(rloo_advantages(rewards, valid), torch.tensor([[1.0, -0.5, -0.5, 0.0], [0.0] * 4]))
-    # REINFORCE++: centred (2/3, -1/3, -1/3) and 0 over 4 valid entries: mean 0, std sqrt((6/9)/3)
-    s = math.sqrt((4 / 9 + 1 / 9 + 1 / 9) / 3)
-    close(reinforce_pp_advantages(rewards, valid),
-          torch.tensor([[2 / 3 / s, -1 / 3 / s, -1 / 3 / s, 0], [0.0] * 4]), atol=1e-5, rtol=0)
+    # REINFORCE++'s baseline: the group's valid mean (1/3) and nothing for the lone member
+    close(group_baseline(rewards, valid), torch.tensor([[2 / 3, -1 / 3, -1 / 3, 0], [0.0] * 4]))
 
 
-@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages, reinforce_pp_advantages])
+@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages, group_baseline])
 def test_estimators_never_give_nan_on_degenerate_input(estimator):
     for rewards in (torch.tensor([[1.0]]), torch.tensor([[3.0, 3.0]]), torch.tensor([[1.0, 2.0]])):
         for valid in (None, torch.tensor([[0] * rewards.shape[1]]), torch.tensor([[1] + [0] * (rewards.shape[1] - 1)])):
             assert torch.isfinite(estimator(rewards, valid)).all(), (estimator.__name__, rewards, valid)
 
 
-@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages, reinforce_pp_advantages])
+@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages, group_baseline])
 def test_a_group_of_equal_partial_rewards_has_no_advantage(estimator):
     """Eight rewards of 0.7 (or 1.2: partial credit, summed tool rewards) used to have a float32
     mean one rounding step off, which GRPO's division by the equally tiny std turned into an
@@ -64,15 +62,21 @@ def test_a_group_of_equal_partial_rewards_has_no_advantage(estimator):
     mixed = estimator(torch.tensor([[0.7] * 7 + [1.7]]))
     if estimator is rloo_advantages:  # 1.7 - 0.7 = 1; 0.7 - (0.7 × 6 + 1.7) / 7 = -1/7
         close(mixed, torch.tensor([[-1 / 7] * 7 + [1.0]]))
+    elif estimator is group_baseline:
+        close(mixed, torch.tensor([[-0.125] * 7 + [0.875]]))
     else:  # centred -0.125 and 0.875; unbiased std sqrt((7 × 0.125² + 0.875²) / 7) = sqrt(1/8)
         close(mixed, torch.tensor([[-0.125] * 7 + [0.875]]) / math.sqrt(1 / 8), atol=1e-4, rtol=0)
 
 
-def test_reinforce_pp():
-    # centred [[.5,-.5],[1,-1]]; batch std sqrt(2.5/3) = 0.912871
-    s = math.sqrt(2.5 / 3)
-    close(reinforce_pp_advantages(torch.tensor([[1.0, 0.0], [3.0, 1.0]])),
-          torch.tensor([[0.5 / s, -0.5 / s], [1 / s, -1 / s]]), atol=1e-5, rtol=0)
+def test_reinforce_pp_whitens_over_trained_tokens():
+    # returns 0.5, 0.6 | -0.9, -0.8 on trained tokens (the 9.0 is a tool token): mean -0.15,
+    # population variance (0.65² + 0.75² + 0.75² + 0.65²) / 4 = 0.4925
+    returns = torch.tensor([[0.5, 0.6, 9.0], [-0.9, -0.8, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    s = math.sqrt(0.4925)
+    close(reinforce_pp_advantages(returns, mask), torch.tensor([[0.65 / s, 0.75 / s, 0], [-0.75 / s, -0.65 / s, 0]]),
+          atol=1e-5, rtol=0)
+    assert torch.equal(reinforce_pp_advantages(torch.zeros(2, 3), mask), torch.zeros(2, 3))  # nothing to learn: 0
 
 
 def test_gae_by_hand_skips_tool_tokens():
@@ -119,8 +123,9 @@ def test_ppo_clip_asymmetric_and_dual():
     assert metrics["clip_fraction"] == 0.5  # tokens 0 and 1
     loss, _ = ppo_policy_loss(new, old, adv, mask, 0.2, 0.28)  # clip-higher: token 0 → -1.28
     close(loss, torch.tensor((-1.28 + 0.8 + 4.0 - 2.0) / 4))
-    loss, _ = ppo_policy_loss(new, old, adv, mask, 0.2, 0.2, dual_clip=3.0)  # token 2 → min(4, 3)
+    loss, metrics = ppo_policy_loss(new, old, adv, mask, 0.2, 0.2, dual_clip=3.0)  # token 2 → min(4, 3)
     close(loss, torch.tensor((-1.2 + 0.8 + 3.0 - 2.0) / 4))
+    assert metrics["clip_fraction"] == 0.75  # token 2's loss is the dual bound now: no gradient either
 
 
 def test_a_ratio_past_floats_range_gives_no_nan_loss_or_gradient():
@@ -131,8 +136,25 @@ def test_a_ratio_past_floats_range_gives_no_nan_loss_or_gradient():
     loss.backward()
     close(loss, torch.tensor(-0.5))
     assert torch.isfinite(new.grad).all() and metrics["approx_kl"] == pytest.approx(0.5 * 20.0 ** 2 / 2)
-    k3 = kl_estimate(torch.tensor([[-100.0]]), torch.tensor([[0.0]]), "k3")  # log r = 100, taken at 20
-    close(k3, torch.tensor([[math.exp(20.0) - 1.0 - 20.0]]))
+    # log r = 100: exp continues along its tangent at 20, so the value is finite and the gradient
+    # still pulls the policy's logprob up towards the reference's
+    logp = torch.tensor([[-100.0]], requires_grad=True)
+    k3 = kl_estimate(logp, torch.tensor([[0.0]]), "k3")
+    k3.sum().backward()
+    close(k3, torch.tensor([[math.exp(20.0) * 81.0 - 1.0 - 100.0]]))
+    close(logp.grad, torch.tensor([[1.0 - math.exp(20.0)]]))
+
+
+@pytest.mark.parametrize("log_r", [-4.9, -24.9, -39.9])
+def test_k3_pulls_back_tokens_far_above_the_reference(log_r):
+    """log r = ref - logp far below 0: the policy gives the token e^24.9 times the reference's
+    probability. k3 = e^lr - 1 - lr and d k3 / d logp = 1 - e^lr, by hand; a clamp at -20 made the
+    value 19.0 and the gradient 0, so the KL term stopped pulling on exactly those tokens."""
+    logp = torch.tensor([[-0.1]], requires_grad=True)
+    k3 = kl_estimate(logp, torch.tensor([[-0.1 + log_r]]), "k3")
+    k3.sum().backward()
+    close(k3, torch.tensor([[math.exp(log_r) - 1.0 - log_r]]), atol=1e-4, rtol=0)
+    close(logp.grad, torch.tensor([[1.0 - math.exp(log_r)]]))
 
 
 def test_aggregations():

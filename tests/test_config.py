@@ -164,6 +164,11 @@ GREEDY_WARNING = ("agentrl: warning: rollout.temperature 0 samples every episode
     (["rollout.temperature=0", "algorithm.advantage=gae"], []),  # a critic's baseline still tells episodes apart
     (["reward.interaction_scores=true"], ["agentrl: warning: reward.interaction_scores is true but "
                                           "rollout.interaction_config names no interaction: no score is added"]),
+    (["model.lora.rank=8", "model.lora.dropout=0.1", "trainer.mini_batches=2"], [
+        "agentrl: warning: model.lora.dropout 0.1 with trainer.ppo_epochs 1 and trainer.mini_batches 2: the importance "
+        "ratio compares logprobs with dropout against logprobs without it, so it is not 1 at unchanged weights and "
+        "the clip acts on noise (model.lora.dropout 0 keeps the ratio exact)"]),
+    (["model.lora.rank=8", "model.lora.dropout=0.1"], []),  # one pass: the ratio's two sides are the same pass
     ([], []),
 ])
 def test_train_warns_of_settings_that_train_but_not_as_meant_before_any_model_loads(overrides, warnings):

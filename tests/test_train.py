@@ -113,6 +113,41 @@ def test_outcome_advantages_with_kl_to_go():
     assert got[0] == pytest.approx([0, 0, 0.2, 0.3]) and got[1] == [0, 0, -0.5, -0.5]
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.1])
+def test_reinforce_pp_subtracts_the_kl_to_go_then_whitens_over_tokens(scale):
+    """REINFORCE++ (arXiv:2501.03262): the return (reward less the group's mean, minus kl_coef times
+    the KL-to-go) whitened over the batch's trained tokens. Whitening each episode's reward first
+    gave the same advantages at any reward scale and left them off centre."""
+    trajectories = [make_trajectory(scale, [(2, False), (2, True), (1, False)]),
+                    make_trajectory(0.0, [(2, False), (2, True), (1, False)])]
+    algo = AlgorithmConfig(advantage="reinforce_pp", kl_coef=0.5, kl_in_reward=True)
+    per_sequence = outcome_advantages(trajectories, 2, algo)
+    assert per_sequence == pytest.approx([scale / 2, -scale / 2])
+    kl = [[0.0, 0.0, 0.2, 0.2, 5.0]] * 2  # 0.1 a token after kl_coef; the tool token's is ignored
+    got = token_advantages(trajectories, per_sequence, algo, kl)
+    returns = torch.tensor([scale / 2 - 0.2, scale / 2 - 0.1, -scale / 2 - 0.2, -scale / 2 - 0.1])
+    whitened = (returns - returns.mean()) / returns.std(unbiased=False)
+    assert [got[0][2], got[0][3], got[1][2], got[1][3]] == pytest.approx(whitened.tolist(), abs=1e-5)
+    assert [row[t] for row in got for t in (0, 1, 4)] == [0] * 6
+    if scale == 1.0:  # by hand: returns 0.3, 0.4, -0.7, -0.6, mean -0.15, std sqrt(0.2525)
+        assert got[0][2] == pytest.approx(0.45 / math.sqrt(0.2525), abs=1e-5)
+    else:  # returns -0.15, -0.05, -0.25, -0.15: the KL now outweighs the reward on the first tokens
+        assert got[0][2] == pytest.approx(0.0, abs=1e-5) and got[1][3] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_gae_puts_the_reward_on_the_last_sampled_token_before_trailing_tool_output():
+    """An episode stopped by rollout.max_turns ends with a tool message (mask 0): the outcome reward
+    goes on the last sampled token, and GAE carries it back from there."""
+    traj = make_trajectory(1.0, [(2, False), (2, True), (2, False), (1, True), (2, False)])
+    algo = AlgorithmConfig(advantage="gae", gamma=0.9, lam=0.5)
+    assert token_rewards([traj], algo) == [[0, 0, 0, 0, 0, 0, 1.0, 0, 0]]
+    values = [[0, 0, 0.1, 0.2, 0, 0, 0.4, 0, 0]]
+    _, returns = gae_targets([traj], values, algo)
+    # deltas: t6 = 1 - 0.4 = 0.6; t3 = 0.9*0.4 - 0.2 = 0.16; t2 = 0.9*0.2 - 0.1 = 0.08
+    # advantages: A6 = 0.6, A3 = 0.16 + 0.45*0.6 = 0.43, A2 = 0.08 + 0.45*0.43 = 0.2735; returns = A + V
+    assert returns[0] == pytest.approx([0, 0, 0.3735, 0.63, 0, 0, 1.0, 0, 0])
+
+
 def test_gae_targets_by_hand():
     # prompt(2) agent(2) tool(2) agent(1): reward 1 on the last agent token
     traj = make_trajectory(1.0, [(2, False), (2, True), (2, False), (1, True)])
@@ -473,6 +508,55 @@ def test_the_kl_in_the_reward_is_reported_as_kl_ref_like_the_kl_loss():
     assert kl_ref == pytest.approx(dict.fromkeys(kl_ref, kl_ref[True, "token-mean"]), abs=1e-6)
     assert entropy == pytest.approx(dict.fromkeys(entropy, entropy[False, "token-mean"]), abs=1e-5)
     assert entropy[False, "token-mean"] < math.log(49152)  # nats per token
+
+
+def test_the_entropy_bonus_raises_the_entropy_and_the_kl_term_lowers_the_kl():
+    """With every advantage 0 only the two terms move the weights: a flipped sign in either still
+    passed every other test."""
+    from agentrl.trainer.policy import ReferenceWorker
+
+    reference = ReferenceWorker(make_tiny_llama(seed=1), 2, 1.0, 4096)
+    sequences, masks, zero = [SEQUENCE], [MASK], [[0.0] * len(SEQUENCE)]
+    ref = reference.logprobs(sequences, masks)
+    for coefficient, metric, direction in (("entropy_coef", "entropy", 1), ("kl_coef", "kl_ref", -1)):
+        worker = PolicyWorker(make_tiny_llama(), 2, lr=1e-3, temperature=1.0, **{coefficient: 0.5})
+        # each measured before its step: the third update sees the first two steps' effect
+        seen = [worker.update(sequences, masks, zero, ref_logprobs=ref)[metric] for _ in range(3)]
+        assert (seen[2] - seen[0]) * direction > 2e-4 * abs(seen[0]), (metric, seen)
+
+
+def test_grad_norm_is_the_mean_over_the_steps_taken_and_kl_ref_needs_a_reference(monkeypatch):
+    """A skipped step (its norm not finite) added a 0 to the mean: one of two skipped halved the
+    reported norm. Without a reference there is no KL to it, and a 0 read as "no drift"."""
+    from agentrl.trainer import critic as critic_module
+    from agentrl.trainer import policy as policy_module
+
+    norms = []
+
+    def first_skipped(model, optimizer, *args):
+        if not norms:
+            optimizer.zero_grad(set_to_none=True)
+            norms.append(float("inf"))
+            return float("inf"), False
+        norms.append(real(model, optimizer, *args)[0])
+        return norms[-1], True
+
+    real = policy_module.clipped_step
+    monkeypatch.setattr(policy_module, "clipped_step", first_skipped)
+    monkeypatch.setattr(critic_module, "clipped_step", first_skipped)
+    sequences, masks = [SEQUENCE, SEQUENCE[:-2]], [MASK, MASK[:-2]]
+    worker = PolicyWorker(make_tiny_llama(), 2, lr=1e-3, temperature=1.0, mini_batches=2)
+    old = worker.logprobs(sequences, masks)
+    metrics = worker.update(sequences, masks, [[m * 1.0 for m in mask] for mask in masks], old)
+    assert len(norms) == 2 and metrics["skipped_step_fraction"] == 0.5
+    assert metrics["grad_norm"] == pytest.approx(norms[1]) and norms[1] > 0
+    assert "kl_ref" not in metrics
+    norms.clear()
+    critic = CriticWorker(ValueModel.from_policy(make_tiny_llama()), 2, lr=1e-2, value_clip=None, mini_batches=2)
+    values = critic.values(sequences, masks)
+    metrics = critic.update(sequences, masks, [[1.0 * m for m in mask] for mask in masks], values)
+    assert metrics["critic_skipped_step_fraction"] == 0.5
+    assert metrics["critic_grad_norm"] == pytest.approx(norms[1]) and norms[1] > 0
 
 
 RAISING_REWARDS = '''

@@ -1,7 +1,7 @@
 """Advantage estimators: pure tensor functions of rewards, values and masks.
 
-Outcome estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++) give one scalar per trajectory, broadcast to
-its trainable tokens by the caller; GAE gives one value per token and skips mask-0 tokens (tool
+Outcome estimators (GRPO, Dr.GRPO, RLOO) give one scalar per trajectory, broadcast to its trainable
+tokens by the caller; REINFORCE++ whitens per-token returns over the batch's trained tokens; GAE gives one value per token and skips mask-0 tokens (tool
 output, user turns), carrying the value and the discounting across them, so a tool call's advantage
 sees the tool's consequences but tool tokens themselves are never bootstrapped from.
 """
@@ -57,21 +57,23 @@ def rloo_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = No
     return loo_BG.to(rewards_BG.dtype)
 
 
-def reinforce_pp_advantages(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = None,
-                            eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++ with baseline: subtract the group mean, then normalise over the whole batch.
+def group_baseline(rewards_BG: torch.Tensor, valid_BG: torch.Tensor | None = None) -> torch.Tensor:
+    """Each reward less its group's mean over the valid members (0 for failed ones): the baseline of
+    REINFORCE++-baseline, before reinforce_pp_advantages."""
+    return _group_stats(rewards_BG, valid_BG)[2].to(rewards_BG.dtype)
 
-    Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs", arXiv:2501.03262.
-    Statistics run over valid entries only; with fewer than two the centred rewards are returned
-    as they are (0 for a lone sample), never NaN.
+
+def reinforce_pp_advantages(returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++: per-token returns whitened over every trained token of the batch.
+
+    Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs", arXiv:2501.03262: a
+    token's return is the outcome reward (here less its group's mean, the paper's baseline variant)
+    minus β times the KL-to-go when the KL is a reward penalty; the advantage is that return
+    normalised over the batch's tokens, so β is in reward units and the advantages have mean 0.
+    (Whitening each sequence's reward before subtracting the KL made β a multiple of the batch's
+    reward spread and left the advantages off centre.) Mask-0 tokens get 0; all-equal returns 0.
     """
-    valid_BG, _, centered_BG = _group_stats(rewards_BG, valid_BG)
-    count = valid_BG.sum()
-    if count < 2:
-        return centered_BG.to(rewards_BG.dtype)
-    mean = centered_BG.sum() / count
-    std = ((((centered_BG - mean) * valid_BG) ** 2).sum() / (count - 1)).sqrt()
-    return ((centered_BG - mean) / (std + eps) * valid_BG).to(rewards_BG.dtype)
+    return masked_whiten(returns_BT, mask_BT)
 
 
 def gae_advantages(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,

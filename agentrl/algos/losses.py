@@ -61,7 +61,11 @@ def ppo_policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, ad
     m = mask_BT.to(loss_BT.dtype)
     with torch.no_grad():
         n = m.sum().clamp(min=1)
-        metrics = {"clip_fraction": ((clipped_BT > unclipped_BT).to(m.dtype) * m).sum().item() / n.item(),
+        # The tokens the surrogate gives no gradient: clipped by the ratio's range, or bound by the dual clip.
+        no_gradient_BT = clipped_BT > unclipped_BT
+        if dual_clip is not None:
+            no_gradient_BT |= (advantages_BT < 0) & (-advantages_BT * dual_clip < torch.maximum(unclipped_BT, clipped_BT))
+        metrics = {"clip_fraction": (no_gradient_BT.to(m.dtype) * m).sum().item() / n.item(),
                    "approx_kl": (0.5 * log_ratio_BT ** 2 * m).sum().item() / n.item(),
                    "ratio_mean": (ratio_BT * m).sum().item() / n.item()}
     return aggregate(loss_BT, mask_BT, aggregation), metrics
@@ -75,15 +79,22 @@ def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: 
     k3 = (r - 1) - log r (unbiased, non-negative, low variance).
     """
     log_r_BT = ref_logprobs_BT - logprobs_BT
-    if kind == "k3":  # the exp clamped as the PPO ratio's is (k1 and k2 have no exp to overflow)
-        log_r_BT = torch.clamp(log_r_BT, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if kind == "k1":
         return -log_r_BT
     if kind == "k2":
         return 0.5 * log_r_BT ** 2
     if kind == "k3":
-        return torch.exp(log_r_BT) - 1.0 - log_r_BT
+        return _exp_within_floats(log_r_BT) - 1.0 - log_r_BT
     raise ValueError(f"unknown KL estimator '{kind}'")
+
+
+def _exp_within_floats(x_BT: torch.Tensor) -> torch.Tensor:
+    """exp(x) up to x = LOG_RATIO_LIMIT and its tangent beyond: past e^88 float32 overflows. Only the
+    top is bounded: below, exp underflows to 0 harmlessly, and a clamp there made k3 flat, so the
+    tokens the policy had raised furthest above the reference got no pull back at all. Along the
+    tangent the gradient stays finite and keeps its sign (clamping the exp's input alone flips k3's)."""
+    capped_BT = torch.clamp(x_BT, max=LOG_RATIO_LIMIT)
+    return torch.exp(capped_BT) * (1.0 + x_BT - capped_BT)
 
 
 def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:

@@ -135,9 +135,10 @@ class CriticWorker:
     def update(self, sequences: list[list[int]], masks: list[list[int]], returns: list[list[float]],
                old_values: list[list[float]]) -> dict[str, float]:
         """Epochs over mini-batches of the clipped value loss (token mean over each mini-batch, by
-        its global token count); the metrics are means over the optimizer steps taken."""
+        its global token count); the metrics are means over the optimizer steps taken, the gradient
+        norm over those not skipped (0.0 when all were)."""
         totals = {"value_loss": 0.0, "critic_grad_norm": 0.0, "critic_skipped_step_fraction": 0.0}
-        passes = 0  # the optimizer steps taken (mini_batch_schedule skips empty mini-batches)
+        passes = stepped_passes = 0  # mini_batch_schedule skips empty mini-batches
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
             passes += 1
             total = max(sum(sum(masks[i][1:]) for i in mini), 1)
@@ -160,7 +161,10 @@ class CriticWorker:
             norm, stepped = clipped_step(self.model, self.optimizer, self.grad_clip, self.ranks.rank, "critic's")
             totals["critic_grad_norm"] += norm if stepped else 0.0
             totals["critic_skipped_step_fraction"] += 0.0 if stepped else 1.0
-        return {key: value / max(passes, 1) for key, value in totals.items()}
+            stepped_passes += stepped
+        out = {key: value / max(passes, 1) for key, value in totals.items()}
+        out["critic_grad_norm"] = totals["critic_grad_norm"] / max(stepped_passes, 1)
+        return out
 
     def save(self, path: str | Path) -> None:
         self.model.save(path, rank=self.ranks.rank)

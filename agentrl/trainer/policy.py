@@ -124,7 +124,9 @@ class PolicyWorker:
                ref_logprobs: list[list[float]] | None = None,
                rollout_logprobs: list[list[float]] | None = None) -> dict[str, float]:
         """PPO epochs over mini-batches; `old_logprobs` None is allowed only when on_policy. Each
-        metric is the mean over the optimizer steps taken (a `_max` one the largest).
+        metric is the mean over the optimizer steps taken (a `_max` one the largest); grad_norm is
+        over the steps not skipped (0.0 when all were: skipped_step_fraction says so), and kl_ref
+        is there only with a reference.
 
         With `rollout_logprobs` (the engine's, as sampled) the metrics include
         rollout_logprob_diff: the mean |engine - trainer| logprob gap before the update, which is
@@ -136,13 +138,17 @@ class PolicyWorker:
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs")
         totals: dict[str, float] = {}
-        passes = 0  # the optimizer steps taken: fewer than epochs × mini_batches with fewer episodes than parts
+        # Mini-batches that reported each metric: fewer than epochs × mini_batches with fewer episodes
+        # than parts, and grad_norm only from steps not skipped (a skipped one's 0 lowered the mean).
+        counts: dict[str, int] = {}
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
-            passes += 1
             for key, value in self._mini_batch(mini, sequences, masks, advantages, old_logprobs, ref_logprobs,
                                                rollout_logprobs).items():
                 totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0.0) + value
-        metrics = {key: value if key.endswith("_max") else value / passes for key, value in totals.items()}
+                counts[key] = counts.get(key, 0) + 1
+        metrics = {key: value if key.endswith("_max") else value / counts[key] for key, value in totals.items()}
+        if counts and "grad_norm" not in metrics:
+            metrics["grad_norm"] = 0.0
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # the schedule counts RL steps, a skipped optimizer step too
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
@@ -155,7 +161,9 @@ class PolicyWorker:
         # Global counts over the whole mini-batch (every rank has it): the same loss at any world size.
         total = sum(sum(masks[i][1:]) for i in mini) if token_mean else sum(1 for i in mini if sum(masks[i][1:]))
         tokens = max(sum(sum(masks[i][1:]) for i in mini), 1)
-        metrics = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0}
+        metrics = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0}
+        if ref_logprobs is not None:  # without a reference there is no KL to it (a 0 read as "no drift")
+            metrics["kl_ref"] = 0.0
         if rollout_logprobs is not None:
             metrics.update(rollout_logprob_diff=0.0, engine_k3_mean=0.0, engine_k3_max=0.0)
         # Rows without a trainable token (a prompt that filled the context) weigh nothing: left out.
@@ -203,7 +211,9 @@ class PolicyWorker:
             metrics["clip_fraction"] += clip_metrics["clip_fraction"] * batch.num_tokens / tokens
             metrics["approx_kl"] += clip_metrics["approx_kl"] * batch.num_tokens / tokens
         norm, stepped = clipped_step(self.model, self.optimizer, self.grad_clip, self.ranks.rank, "policy's")
-        metrics["grad_norm"], metrics["skipped_step_fraction"] = (norm, 0.0) if stepped else (0.0, 1.0)
+        metrics["skipped_step_fraction"] = 0.0 if stepped else 1.0
+        if stepped:
+            metrics["grad_norm"] = norm
         return metrics
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.algos.advantages import (gae_advantages, grpo_advantages, masked_whiten, reinforce_pp_advantages,
-                                      rloo_advantages)
+from agentrl.algos.advantages import (gae_advantages, group_baseline, grpo_advantages, masked_whiten,
+                                      reinforce_pp_advantages, rloo_advantages)
 from agentrl.config import AlgorithmConfig
 from agentrl.types import Trajectory
 
+# REINFORCE++'s per-sequence part is the baseline; token_advantages whitens over the batch's tokens.
 OUTCOME_ESTIMATORS = {"grpo": grpo_advantages,
                       "dr_grpo": lambda r, valid: grpo_advantages(r, valid, normalize_std=False),
-                      "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}
+                      "rloo": rloo_advantages, "reinforce_pp": group_baseline}
 
 
 def outcome_advantages(trajectories: list[Trajectory], group_size: int, algo: AlgorithmConfig) -> list[float | None]:
@@ -34,7 +35,8 @@ def outcome_advantages(trajectories: list[Trajectory], group_size: int, algo: Al
 def token_advantages(trajectories: list[Trajectory], per_sequence: list[float], algo: AlgorithmConfig,
                      kl_per_token: list[list[float]] | None = None) -> list[list[float]]:
     """Each trajectory's advantage on its trainable tokens, minus the KL-to-go when the KL is a
-    reward penalty (summed from each token to the end, γ = 1)."""
+    reward penalty (summed from each token to the end, γ = 1); for REINFORCE++ that return is then
+    whitened over the batch's trained tokens."""
     out = []
     for i, (traj, advantage) in enumerate(zip(trajectories, per_sequence)):
         row = [advantage * m for m in traj.loss_mask]
@@ -44,7 +46,23 @@ def token_advantages(trajectories: list[Trajectory], per_sequence: list[float], 
                 to_go += algo.kl_coef * kl_per_token[i][t] * traj.loss_mask[t]
                 row[t] -= to_go * traj.loss_mask[t]
         out.append(row)
+    if algo.advantage == "reinforce_pp" and out:
+        width = max(len(row) for row in out)
+        returns_BT, mask_BT = _padded(out, width), _trained_mask(trajectories, width)
+        out = [row[:len(t.token_ids)] for row, t in zip(reinforce_pp_advantages(returns_BT, mask_BT).tolist(),
+                                                           trajectories)]
     return out
+
+
+def _padded(rows: list[list[float]], width: int) -> torch.Tensor:
+    return torch.tensor([row + [0.0] * (width - len(row)) for row in rows], dtype=torch.float)
+
+
+def _trained_mask(trajectories: list[Trajectory], width: int) -> torch.Tensor:
+    """1 on the tokens the update trains (loss mask 1, position 0 aside: nothing predicts it)."""
+    mask_BT = _padded([[float(m) for m in t.loss_mask] for t in trajectories], width)
+    mask_BT[:, 0] = 0.0
+    return mask_BT
 
 
 def token_rewards(trajectories: list[Trajectory], algo: AlgorithmConfig,
@@ -66,14 +84,9 @@ def gae_targets(trajectories: list[Trajectory], values: list[list[float]], algo:
                 kl_per_token: list[list[float]] | None = None) -> tuple[list[list[float]], list[list[float]]]:
     """(advantages, returns) by GAE over trainable tokens; advantages whitened over the batch."""
     width = max(len(t.token_ids) for t in trajectories)
-
-    def padded(rows: list[list[float]]) -> torch.Tensor:
-        return torch.tensor([row + [0.0] * (width - len(row)) for row in rows], dtype=torch.float)
-
-    mask_BT = padded([[float(m) for m in t.loss_mask] for t in trajectories])
-    mask_BT[:, 0] = 0.0
-    advantages_BT, returns_BT = gae_advantages(padded(token_rewards(trajectories, algo, kl_per_token)),
-                                               padded(values), mask_BT, algo.gamma, algo.lam)
+    mask_BT = _trained_mask(trajectories, width)
+    advantages_BT, returns_BT = gae_advantages(_padded(token_rewards(trajectories, algo, kl_per_token), width),
+                                               _padded(values, width), mask_BT, algo.gamma, algo.lam)
     advantages_BT = masked_whiten(advantages_BT, mask_BT)
     lengths = [len(t.token_ids) for t in trajectories]
     return ([row[:n] for row, n in zip(advantages_BT.tolist(), lengths)],
