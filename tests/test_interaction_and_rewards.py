@@ -197,6 +197,31 @@ def test_bad_interaction_files_name_the_key_and_hide_secrets(tmp_path, entry, me
     assert "SECRET" not in str(err.value)
 
 
+class LoopJudge(Judge):
+    """A constructor that needs the running loop (an async HTTP client's session made in it)."""
+
+    def __init__(self, model: str, api_key: str):
+        super().__init__(model, api_key)
+        self.loop = asyncio.get_running_loop()
+
+
+def test_an_interaction_built_on_the_event_loop_loads(tmp_path):
+    """Each episode builds its instance on the event loop; the load-time check built one outside
+    any loop, so such a constructor was refused with "no running event loop"."""
+    path = tmp_path / "judge.yaml"
+    path.write_text("interactions:\n  - {class: tests.test_interaction_and_rewards:LoopJudge, "
+                    "config: {model: judge-1, api_key: k}}\n")
+    factory = load_interaction(path)
+
+    async def in_an_episode():
+        return factory(), load_interaction(path), asyncio.get_running_loop()  # loaded on a loop too
+
+    judge, again, loop = asyncio.run(in_an_episode())
+    assert judge.loop is loop and again is not None
+    with pytest.raises(RuntimeError, match="no running event loop"):
+        factory()  # what the check did
+
+
 def test_interaction_config_values_are_converted_to_the_constructors_types(tmp_path):
     path = tmp_path / "judge.yaml"  # YAML reads 1e-6 as text
     path.write_text("interactions:\n  - {class: tests.test_interaction_and_rewards:Judge, "

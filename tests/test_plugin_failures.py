@@ -251,12 +251,17 @@ def test_the_tool_server_counts_its_own_500s():
 
 
 def test_an_interaction_score_that_is_not_a_number_is_left_out_and_counted(tokenizer):
-    """None means a reply is not scored (as a tool's reward None); NaN and a bool are invalid, and
-    their count reaches the step's metrics (it was kept per episode only)."""
+    """None means a reply is not scored (as a tool's reward None); NaN, a bool and a tensor of two
+    are invalid, and their count reaches the step's metrics (it was kept per episode only). A
+    reward model's one-element tensor is a score (it was dropped as invalid, so a judge's scores
+    added nothing to any reward)."""
+    import torch
+
     from agentrl.env.interaction import Turn
     from agentrl.rollout.collect import summarize
 
     replies = iter([Turn("Try again.", False, math.nan), Turn("Again.", False, None), Turn("More.", False, True),
+                    Turn("Closer.", False, torch.tensor([0.5, 0.5])), Turn("Nearly.", False, torch.tensor(0.125)),
                     Turn("Right.", True, 0.25)])
 
     class Judge:
@@ -269,14 +274,14 @@ def test_an_interaction_score_that_is_not_a_number_is_left_out_and_counted(token
         async def finish(self):
             return None
 
-    engine = ScriptedEngine(tokenizer, ["4", "5", "6", "7"])
-    runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(interaction_scores=True),
+    engine = ScriptedEngine(tokenizer, ["4", "5", "6", "7", "8", "9"])
+    runner = EpisodeRunner(engine, tokenizer, [], parse_hermes, EpisodeSettings(interaction_scores=True, max_turns=6),
                            interaction_factory=Judge, reward_fn=lambda task, messages: 1.0)
     traj = asyncio.run(runner.run(Task(id="t", prompt="Go."), "g"))
-    assert traj.finish == "stop" and traj.reward == 1.25
-    assert traj.metrics["interaction_invalid_scores"] == 2 and traj.metrics["interaction_score"] == 0.25
+    assert traj.finish == "stop" and traj.reward == 1.375
+    assert traj.metrics["interaction_invalid_scores"] == 3 and traj.metrics["interaction_score"] == 0.375
     summary = summarize([traj, traj], 1.0)
-    assert (summary["interaction_invalid_scores"], summary["interaction_score_mean"]) == (4.0, 0.25)
+    assert (summary["interaction_invalid_scores"], summary["interaction_score_mean"]) == (6.0, 0.375)
     assert "interaction_score_mean" not in summarize([run_without_interaction(tokenizer)], 1.0)
 
 

@@ -56,6 +56,32 @@ def test_a_malformed_call_beside_valid_ones_stays_in_the_replys_text(tokenizer):
         assert message["content"] == expected and len(message.get("tool_calls") or []) == int(expected == "done.")
 
 
+def test_a_call_echoed_with_its_numbers_written_another_way_continues_the_session(tokenizer):
+    """JavaScript's JSON.stringify writes the 1.0 it parsed as 1 and 1e5 as 100000, and so does a Go
+    client: such a client sends the call back that way. Compared as text, the echo forked the
+    session there, and every earlier turn dropped out of training."""
+    call = CALL.replace('"1234 * 5678"}', '"1234 * 5678", "scale": 1.0, "limit": 1e5, "steps": [2.0, 0.5]}')
+    engine = ScriptedEngine(tokenizer, [call, ANSWER, ANSWER])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    messages = TASK.messages()
+    reply = asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "js"))
+    message = {k: v for k, v in reply["choices"][0]["message"].items() if v is not None}
+    function = message["tool_calls"][0]["function"]
+    assert json.loads(function["arguments"]) == {"expression": "1234 * 5678", "scale": 1.0, "limit": 1e5,
+                                                 "steps": [2.0, 0.5]}
+    function["arguments"] = '{"expression":"1234 * 5678","scale":1,"limit":100000,"steps":[2,0.5]}'
+    messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "7006652"}]
+    asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "js"))
+    metrics = service.sessions.get("js").metrics()
+    assert (metrics["segments"], metrics["history_rewrites"], metrics["dropped_generated_tokens"]) == (1, 0, 0)
+    sampled = engine.prompts[0] + engine.turns[0]
+    assert engine.prompts[1][:len(sampled)] == sampled  # the recorded call, not the client's spelling
+    # a number that differs is still another call
+    function["arguments"] = '{"expression":"1234 * 5678","scale":1.5,"limit":100000,"steps":[2,0.5]}'
+    asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "js"))
+    assert service.sessions.get("js").metrics()["segments"] == 2
+
+
 def test_a_reply_with_a_malformed_block_sent_back_renders_as_the_model_sampled_it(tokenizer):
     """A client without a session (or one rewriting history) sends the reply back, and the
     endpoint renders it again from the messages. The reply's content used to be the malformed

@@ -148,6 +148,24 @@ def test_session_ids_with_a_slash_can_be_read_and_deleted(tokenizer):
         server.stop()
 
 
+def test_an_empty_user_names_no_session(tokenizer):
+    """`user: ""` (a client filling the field from an unset variable) opened a session named "",
+    which every such client's unrelated conversations then shared."""
+    engine = ScriptedEngine(tokenizer, [ANSWER] * 3)
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    server = BackgroundServer(create_app(service))
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        client.chat.completions.create(model="any", messages=conversation(1), user="")
+        client.responses.create(model="any", input="Question number 2?", user="")
+        assert service.sessions.get("") is None and len(engine.prompts) == 2
+        client.chat.completions.create(model="any", messages=conversation(3), user="u")
+        assert service.sessions.get("u").metrics()["session_turns"] == 1
+    finally:
+        server.stop()
+
+
 async def refusal(ctx, task) -> openai.BadRequestError:
     """One turn, then a second request, which `max_turns=1` refuses: the refusal, caught."""
     client = ctx.openai_client()

@@ -86,6 +86,19 @@ def test_a_tools_keyboard_interrupt_fails_its_call_not_the_run():
     assert env.metrics["tool_errors"] == 1
 
 
+def test_one_element_tensors_and_arrays_are_numbers_and_others_are_not():
+    """A judge's `torch.sigmoid(logit)` was dropped as no number while the reward function's
+    check took the same value."""
+    import numpy as np
+    import torch
+
+    assert finite_number(torch.tensor(0.5)) == 0.5 and finite_number(torch.tensor([[0.25]])) == 0.25
+    assert finite_number(np.array([2.0])) == 2.0 and finite_number(np.float32(1.5)) == 1.5
+    assert finite_number(torch.tensor(1e39, dtype=torch.float64), REWARD_LIMIT) is None
+    for invalid in (torch.tensor([0.5, 0.5]), torch.tensor(True), np.array(float("nan")), np.array([]), "0.5"):
+        assert finite_number(invalid) is None, invalid
+
+
 def test_rewards_beyond_the_limit_are_dropped_and_counted():
     """Rewards of 1e39 passed as finite, became infinity in float32 and NaN advantages."""
     calls = [ToolCall("huge_reward", {"value": v}) for v in (1e39, 2.5, -REWARD_LIMIT * 10)]

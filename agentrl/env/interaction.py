@@ -9,6 +9,7 @@ file's `interaction_kwargs` column, as `task.interaction_kwargs` in `start(task)
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import inspect
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ class Interaction(Protocol):
     async def finish(self) -> None: ...
 
 
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def load_interaction(path: str | Path) -> Callable[[], Interaction]:
     """A factory building one Interaction per episode, checked by building one now."""
     entries = read_yaml_list(path, "interactions")
@@ -75,8 +84,11 @@ def load_interaction(path: str | Path) -> Callable[[], Interaction]:
     def factory() -> Interaction:
         return cls(**copy.deepcopy(config))
 
-    try:
-        probe = factory()
+    async def on_a_loop() -> Interaction:
+        return factory()
+
+    try:  # on an event loop, as each episode's instance is: a constructor may need the running loop
+        probe = factory() if _loop_running() else asyncio.run(on_a_loop())
     except (Exception, SystemExit) as e:  # SystemExit: a constructor parsing arguments argparse-style
         detail = failure_text(e) if isinstance(e, SystemExit) else e  # SystemExit(2) alone reads "2"
         raise ConfigError(f"{where}: config {masked(config)} rejected ({detail})") from None

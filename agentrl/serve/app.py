@@ -107,7 +107,7 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         chat = parse_request(await read_body(request, max_body_bytes))
-        session_id = request.headers.get(SESSION_HEADER) or chat.user
+        session_id = request.headers.get(SESSION_HEADER) or chat.user or None  # "": no session
         answer = await until_disconnected(request, service.complete(chat, session_id))
         if answer is None:
             return Response(status_code=CLIENT_GONE)
@@ -121,7 +121,7 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
         asked = parse_responses_request(await read_body(request, max_body_bytes))
         chat = asked.chat_request()
         answer = await until_disconnected(request, service.complete(chat, request.headers.get(SESSION_HEADER)
-                                                                    or chat.user))
+                                                                    or chat.user or None))
         if answer is None:
             return Response(status_code=CLIENT_GONE)
         response = response_object(asked, answer)

@@ -112,9 +112,24 @@ class TurnPlan:
 
 
 def message_key(message: Message) -> str:
-    """The parts of a message that decide its rendering, as one comparable string."""
-    calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls") or []]
+    """The parts of a message that decide its rendering, as one comparable string; arguments by
+    value (`_by_value`), since a client that echoes a call may write its numbers its own way."""
+    calls = [[c["function"]["name"], _by_value(c["function"]["arguments"])] for c in message.get("tool_calls") or []]
     return json.dumps([message["role"], message.get("content") or "", calls], sort_keys=True, ensure_ascii=False)
+
+
+def _by_value(value: Any) -> Any:
+    """Integral floats as ints, through dicts and lists: JavaScript's JSON.stringify writes the 1.0
+    it parsed as 1 (and 1e5 as 100000), so a client in JavaScript or Go that echoes a call with
+    `scale: 1.0` sends `scale: 1`, and comparing the text forked the session there, dropping every
+    earlier turn from training. A continuation renders the recorded call, never the client's."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _by_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_by_value(v) for v in value]
+    return value
 
 
 def plan_turn(session: Session, renderer: ChatRenderer, messages: list[Message],
