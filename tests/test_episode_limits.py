@@ -151,6 +151,7 @@ def test_an_interactions_reply_is_cut_to_max_interaction_tokens(tokenizer):
     traj = asyncio.run(runner.run(Task(id="u", prompt="Hi."), group_id="g"))
     assert (traj.finish, traj.error, traj.metrics["turns"]) == ("stop", None, 2.0)
     user = traj.messages[2]["content"]
-    cut, was_cut = runner.renderer.truncate("word " * 200_000, 16)
+    cut, was_cut = runner.renderer.truncate("word " * 200_000, 16, "reply")
     assert was_cut and user == cut and user.startswith("word word")
+    assert user.endswith("\n[reply truncated to 16 tokens]")  # the user's reply, not a tool's output
     assert traj.metrics["interaction_truncations"] == 1.0

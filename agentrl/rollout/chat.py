@@ -229,8 +229,9 @@ class ChatRenderer:
             for c in message.get("tool_calls") or []]
         return self.encode("\n".join(p for p in parts if p)) + [self.turn_end_id], True
 
-    def truncate(self, text: str, max_tokens: int) -> tuple[str, bool]:
-        """Text cut to `max_tokens` tokens with a marker saying so; (text, was_cut)."""
+    def truncate(self, text: str, max_tokens: int, what: str = "output") -> tuple[str, bool]:
+        """Text cut to `max_tokens` tokens with a marker saying so (`what` was cut: a tool's output,
+        a simulated user's reply); (text, was_cut)."""
         # Only a head of the text is tokenised, so a huge tool output costs little: 16 characters a
         # token, more while the head holds no more than max_tokens tokens (runs like '#' * 80 are
         # one token) and the text goes on.
@@ -246,7 +247,7 @@ class ChatRenderer:
         if len(ids) <= max_tokens:
             return text, False
         kept = self.decode(ids[:max_tokens])
-        return f"{kept}\n[output truncated to {max_tokens} tokens]", True
+        return f"{kept}\n[{what} truncated to {max_tokens} tokens]", True
 
 
 def schema_special_text(schemas: list[dict[str, Any]] | None, special_texts: list[str]) -> str | None:

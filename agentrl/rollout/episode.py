@@ -213,7 +213,7 @@ class EpisodeRunner:
             return None
         if not isinstance(reply.text, str):  # None would be shown to the model as an empty user turn
             raise InteractionError(f"the interaction's respond returned text {reply.text!r}, not a string")
-        text, cut = self.renderer.truncate(reply.text, self.settings.max_interaction_tokens)
+        text, cut = self.renderer.truncate(reply.text, self.settings.max_interaction_tokens, "reply")
         cuts[0] += cut
         return [{"role": "user", "content": text}]
 
