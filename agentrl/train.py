@@ -31,7 +31,7 @@ from agentrl.rollout.run import load_driver_parts
 from agentrl.trainer.checkpoint import RECIPE, check_replaceable, latest_checkpoint
 from agentrl.trainer.critic import CriticWorker, check_critic_path
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
-from agentrl.trainer.roles import Roles, start_roles
+from agentrl.trainer.roles import Roles, check_ray_settings, start_roles
 from agentrl.tracking import WANDB_RUN_ID, RunLogger, check_wandb
 from agentrl.trainer.returns import gae_targets, outcome_advantages, token_advantages
 from agentrl.types import Task, Trajectory
@@ -100,6 +100,7 @@ def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, p
 
 def train(config: RecipeConfig) -> list[dict[str, float]]:
     check_training(config)
+    check_ray_settings(config)
     print(to_yaml(config), file=sys.stderr)
     for warning in training_warnings(config):
         print(f"agentrl: warning: {warning}", file=sys.stderr)
@@ -264,6 +265,11 @@ def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Pat
     # Only now: an earlier run's recipe goes to previous/ with its results, and a run that failed to
     # start leaves the recipe of the results beside it alone.
     (run_dir / "config.yaml").write_text(run_config_yaml(config))
+    # The Ray actors' table likewise: the roles started before an earlier run's files, its table
+    # among them, went to previous/.
+    workers = roles.worker_table()
+    if workers:
+        (run_dir / "workers.json").write_text(json.dumps(workers, indent=2))
     # The dtypes `auto` chose (the probe is cached per process; Ray actors probe the same machine).
     dtypes = {"engine_bf16": float(choose_dtype(config.model.dtype, config.engine.device).dtype == "bfloat16"),
               "trainer_bf16": float(choose_dtype(t.dtype, t.device).dtype == "bfloat16")}

@@ -7,6 +7,7 @@ over gloo, an engine replica in its own actor, the tiny model from conftest.py.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -77,6 +78,11 @@ def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_pa
     # not try to join it (ray.init() would, and refuse the run's CPU count).
     (Path(ray_tmp) / "ray").mkdir()
     (Path(ray_tmp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    # An earlier run in the Ray run's directory: its table goes to previous/ with it, and the new
+    # run's own table (written as its roles start) must not go with it.
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "config.yaml").write_text("name: earlier\n")
+    (tmp_path / "ray" / "workers.json").write_text('{"policy rank 0": 1}')
     for backend, extra in (("local", []), ("ray", ["trainer.world_size=2"])):
         out = tmp_path / backend
         done = subprocess.run(train_command(tiny_model_dir, out, "trainer.steps=1", "algorithm.kl_coef=0.01",
@@ -95,6 +101,7 @@ def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_pa
     workers = json.loads((runs["ray"] / "workers.json").read_text())
     assert sorted(workers) == ["policy rank 0", "policy rank 1", "reference rank 0", "reference rank 1",
                                "rollout replica 0"]
+    assert json.loads((runs["ray"] / "previous" / "workers.json").read_text()) == {"policy rank 0": 1}
     # The sharded policy was gathered into a loadable model directory.
     from transformers import AutoModelForCausalLM
 
@@ -138,27 +145,52 @@ def test_a_run_killed_mid_step_resumes_exactly(tmp_path, tiny_model_dir, env, ba
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
 
-def tcp_peers(pids: list[int]) -> set[str]:
-    """Remote addresses of the TCP connections the given processes hold (from /proc)."""
+def socket_inodes(pid: int) -> set[str]:
+    """The socket inodes process `pid` holds open (from /proc/PID/fd)."""
     inodes = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # closed while we looked
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
                     inodes.add(target[8:-1])
-        except (FileNotFoundError, PermissionError):
-            continue
-    peers = set()
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[9] in inodes and fields[3] == "01":  # ESTABLISHED
-                raw = fields[2].split(":")[0]
-                words = [raw[i:i + 8] for i in range(0, width, 8)]
-                peers.add(".".join(str(b) for w in words[-1:] for b in bytes.fromhex(w)[::-1])
-                          if width == 8 or words[:3] in (["00000000"] * 2 + ["FFFF0000"],) else raw)
-    return peers
+    except (FileNotFoundError, PermissionError):
+        pass
+    return inodes
+
+
+def tcp_sockets(pids: list[int]) -> list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address,
+                                              ipaddress.IPv4Address | ipaddress.IPv6Address]]:
+    """(state, local address, remote address) of the TCP sockets the given processes hold, from
+    each one's /proc/PID/net/tcp and tcp6 (its own network namespace); an IPv4 address mapped into
+    IPv6 reads as the IPv4 one. States as the kernel writes them: 01 established, 0A listening."""
+    def address(field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        raw = bytes.fromhex(field.split(":")[0])  # 32-bit words, each in host (little-endian) order
+        if len(raw) == 4:
+            return ipaddress.IPv4Address(raw[::-1])
+        v6 = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+        return v6.ipv4_mapped or v6
+
+    found = []
+    for pid in pids:
+        inodes = socket_inodes(pid)
+        for table in ("tcp", "tcp6"):
+            try:
+                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            except (FileNotFoundError, PermissionError):  # ended while we looked
+                continue
+            found += [(f[3], address(f[1]), address(f[2])) for f in map(str.split, lines) if f[9] in inodes]
+    return found
+
+
+def tcp_peers(pids: list[int]) -> set[str]:
+    """Remote addresses of the TCP connections the given processes hold."""
+    return {str(remote) for state, _, remote in tcp_sockets(pids) if state == "01"}
+
+
+def listening_beyond_loopback(pids: list[int]) -> set[str]:
+    """Addresses other than loopback (0.0.0.0 and :: among them) the given processes listen at."""
+    return {str(local) for state, local, _ in tcp_sockets(pids) if state == "0A" and not local.is_loopback}
 
 
 def test_a_killed_worker_stops_the_run_within_a_minute_naming_it(tmp_path, tiny_model_dir, env):
@@ -174,8 +206,10 @@ def test_a_killed_worker_stops_the_run_within_a_minute_naming_it(tmp_path, tiny_
             assert time.monotonic() < deadline
             time.sleep(0.1)
         workers = json.loads((out / "workers.json").read_text())
-        # Ray and the process groups talk over loopback only.
+        # Ray and the process groups talk over loopback only, and nothing of the run (Ray's own
+        # processes, the ranks, the rendezvous store of each role's rank 0) listens anywhere else.
         assert tcp_peers([process.pid, *workers.values()]) <= {"127.0.0.1"}
+        assert not listening_beyond_loopback(session_processes(process.pid))
         victim = workers["policy rank 1"]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -270,9 +304,13 @@ def session_processes(sid: int) -> list[int]:
     return found
 
 
-def test_sigterm_to_the_driver_of_a_ray_run_stops_it_like_ctrl_c(tmp_path, tiny_model_dir, env, ray_tmp):
+@pytest.mark.parametrize("to", ["driver", "process group"])
+def test_sigterm_to_a_ray_run_stops_it_like_ctrl_c(tmp_path, tiny_model_dir, env, ray_tmp, to):
     """ray.init put a C++ handler of its own on SIGTERM in the driver: a supervisor's SIGTERM (a
-    container's stop) ended the run at once with a stack dump and status 134, closing nothing."""
+    container's stop) ended the run at once with a stack dump and status 134, closing nothing. Sent
+    to the whole process group (`kill -- -PGID`, a closed terminal), it ends the run's own Ray too:
+    the driver then waited 60 s on the dead GCS to remove the placement group, and ended with
+    status 1."""
     out = tmp_path / "run"
     process = subprocess.Popen(train_command(tiny_model_dir, out, "trainer.backend=ray", "trainer.steps=50"),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -282,7 +320,10 @@ def test_sigterm_to_the_driver_of_a_ray_run_stops_it_like_ctrl_c(tmp_path, tiny_
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():  # a step done
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)  # to the driver alone, as `docker stop` sends it
+        if to == "driver":
+            process.send_signal(signal.SIGTERM)  # as `docker stop` sends it
+        else:
+            os.killpg(process.pid, signal.SIGTERM)  # the driver and every Ray process it started
         _, stderr = process.communicate(timeout=180)
         assert process.returncode == 143, stderr[-3000:]
         assert stderr.splitlines()[-1] == "agentrl: terminated by SIGTERM"

@@ -15,8 +15,10 @@ This module does not start processes (trainer/launch.py does) and knows nothing 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,14 +69,52 @@ class Ranks:
         return [plan + [[] for _ in range(most - len(plan))] for plan in plans]
 
 
-def init_process_group(ranks: Ranks, address: str, port: int, device_type: str, timeout_s: float) -> None:
-    """Join the role's process group: gloo on CPU, nccl on CUDA, with a timeout on every collective."""
+def is_loopback(address: str) -> bool:
+    """Whether `address` (a name or an IP, IPv6 maybe in brackets) is this machine's loopback."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def rendezvous_socket(address: str, port: int = 0) -> socket.socket:
+    """A listening socket for rank 0's rendezvous store, at `port` (0: a free one). torch's own store
+    listens on every interface: a single-node run whose ranks meet at a loopback address listens on
+    that address alone. Otherwise ranks on other nodes connect at this node's address, and the socket
+    listens on every interface, as torch's store would."""
+    if is_loopback(address):
+        host = "127.0.0.1" if address == "localhost" else address.strip("[]")
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
+
+
+def init_process_group(ranks: Ranks, address: str, port: int, device_type: str, timeout_s: float,
+                       listener: socket.socket | None = None) -> None:
+    """Join the role's process group: gloo on CPU, nccl on CUDA, with a timeout on every collective.
+
+    Rank 0 serves the rendezvous store on `listener`, a socket already listening at address:port
+    (rendezvous_socket), which the store takes over; without one it binds one here. A caller that
+    chose the port by binding it keeps it bound until now, so nothing else can take it in between.
+    The other ranks connect to address:port."""
     if not ranks.distributed or dist.is_initialized():
+        if listener is not None:
+            listener.close()
         return
-    if device_type == "cpu" and address in ("127.0.0.1", "localhost"):
+    if device_type == "cpu" and is_loopback(address):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep single-node traffic on loopback
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://{address}:{port}",
-                            rank=ranks.rank, world_size=ranks.world_size, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if ranks.rank == 0:
+        listener = listener or rendezvous_socket(address, port)
+        store = dist.TCPStore(address, listener.getsockname()[1], ranks.world_size, is_master=True, timeout=timeout,
+                              master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(address, port, ranks.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=ranks.rank,
+                            world_size=ranks.world_size, timeout=timeout)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

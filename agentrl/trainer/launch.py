@@ -6,7 +6,14 @@ Placement: one bundle (`trainer.cpus_per_worker` CPUs, and a GPU on CUDA) per tr
 colocated mode rank i's bundle also holds engine replica i (as in verl's hybrid engine and
 OpenRLHF's colocation; the engine releases its memory while the trainer runs); in the split mode the
 replicas get bundles of their own. Each role's ranks form their own process group (FSDP2 over gloo
-on CPU, nccl on GPU), joined at rank 0's node address.
+on CPU, nccl on GPU), joined at rank 0's node address, where rank 0's actor binds the rendezvous
+port when the role starts and keeps it until its store takes it over (on 127.0.0.1 alone for the
+run's own Ray, distributed.rendezvous_socket).
+
+A Ray the run starts itself is told the machine has at least the bundles' CPUs, so that a recipe
+asking for more ranks than there are cores still runs (a warning says so, and each actor's torch
+threads are cut to its share of the cores, fair_threads): a small excess is common and works (two
+ranks and an engine of its own on two cores), and refusing it would stop runs that train fine.
 
 Failure: every actor runs a sentinel call that only returns if it dies, and every wait watches the
 sentinels, so a killed or OOM-killed worker, or a method that raises, stops the run at once with
@@ -19,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -30,9 +38,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from agentrl.config import RecipeConfig
 from agentrl.errors import RunFailed
 from agentrl.rollout.worker import RolloutWorker
-from agentrl.trainer.distributed import Ranks, init_process_group
+from agentrl.trainer.distributed import Ranks, init_process_group, rendezvous_socket
 from agentrl.trainer.ray_groups import RaySink, Supervisor, WorkerGroup
-from agentrl.trainer.roles import Roles, make_critic, make_policy, make_reference
+from agentrl.trainer.roles import Roles, check_ray_settings, make_critic, make_policy, make_reference, ray_address_parts
 from agentrl.types import Task, Trajectory
 
 # How long shutdown waits for the rollout workers to close what they opened before killing them:
@@ -54,19 +62,23 @@ class RoleActor:
         torch.set_num_threads(threads)
         self.worker: Any = None
         self._stop = threading.Event()
+        self._listener: socket.socket | None = None
 
-    def node(self) -> tuple[str, int, int]:
-        """(node address, a free port there, this process's pid)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port, os.getpid()
+    def node(self) -> tuple[str, int]:
+        """(node address, this process's pid)."""
+        return ray.util.get_node_ip_address(), os.getpid()
+
+    def listen(self) -> int:
+        """Rank 0's rendezvous port, bound and listening from now until `setup` hands it to the store."""
+        self._listener = rendezvous_socket(ray.util.get_node_ip_address())
+        return self._listener.getsockname()[1]
 
     def setup(self, factory: Callable[..., Any], config: RecipeConfig, pad_id: int, ranks: Ranks, address: str,
               port: int, join_group: bool) -> None:
         if join_group:
+            listener, self._listener = self._listener, None
             init_process_group(ranks, address, port, config.trainer.device.split(":")[0],
-                               config.trainer.collective_timeout_s)
+                               config.trainer.collective_timeout_s, listener)
         self.worker = factory(config, pad_id, ranks)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -90,10 +102,10 @@ def check_ray_address(address: str, timeout_s: float = 10.0) -> None:
     for about 14 minutes, printing warnings, deaf to Ctrl-C while each attempt blocks."""
     if address == "auto":
         return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host, port = ray_address_parts(address)  # a ConfigError for what is no address at all
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except (OSError, ValueError) as e:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
         raise RunFailed(f"trainer.ray_address: no Ray cluster answers at '{address}' "
                         f"({type(e).__name__}: {e})") from None
     if not address.startswith("ray://"):  # a Ray Client server is not a GCS: the TCP check is all
@@ -126,14 +138,20 @@ class RayRoles(Roles):
     """Every role as a group of Ray actors (trainer.backend 'ray')."""
 
     def __init__(self, config: RecipeConfig, tokenizer: Any):
+        check_ray_settings(config)  # before any actor starts: each would fail on its own
         self.config, self.tokenizer = config, tokenizer
         t = config.trainer
         self._started_ray = not ray.is_initialized() and t.ray_address is None
+        self.threads = max(1, int(t.cpus_per_worker))
         handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
         if t.ray_address:
             check_ray_address(t.ray_address)
             ray.init(address=t.ray_address, namespace="agentrl", log_to_driver=True)
         elif self._started_ray:
+            cores = os.cpu_count() or 1
+            self.threads, warning = fair_threads(t.world_size, t.cpus_per_worker, self._bundles(), cores)
+            if warning:
+                print(f"agentrl: warning: {warning}", file=sys.stderr)
             start_local_ray(self._bundles())
         restore_signal_handlers(handlers)
         self.supervisor = Supervisor(t.call_timeout_s)
@@ -175,7 +193,6 @@ class RayRoles(Roles):
                                   on_policy=t.ppo_epochs == 1 and t.mini_batches == 1)
         self.reference = WorkerGroup("reference", groups["reference"], self.supervisor) if "reference" in groups else None
         self.critic = WorkerGroup("critic", groups["critic"], self.supervisor) if "critic" in groups else None
-        self._write_worker_table()
 
     def _start_role(self, role: str, factory: Callable[..., Any], where: list[int], sharing: list[int]) -> list[Any]:
         """One actor per bundle in `where`, started, watched, then set up together (they rendezvous)."""
@@ -187,26 +204,23 @@ class RayRoles(Roles):
                 num_cpus=t.cpus_per_worker * share, num_gpus=share if t.device.startswith("cuda") else 0,
                 max_concurrency=2,  # one slot for the sentinel
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
-            ).remote(max(1, int(t.cpus_per_worker)))
+            ).remote(self.threads)
             labels.append(f"rollout replica {i}" if role == "rollout" else f"{role} rank {i}")
             actors.append(actor)
             self.actors.append((labels[-1], actor))
             self.supervisor.watch(actor, labels[-1])
         nodes = self.supervisor.wait([a.node.remote() for a in actors], labels, "start-up")
-        self.pids.update({label: pid for label, (_, _, pid) in zip(labels, nodes)})
-        address, port, _ = nodes[0]
+        self.pids.update({label: pid for label, (_, pid) in zip(labels, nodes)})
+        address = nodes[0][0]
         trains = role != "rollout"  # training ranks form a process group; engine replicas are independent
+        port = (self.supervisor.wait([actors[0].listen.remote()], labels[:1], "start-up")[0]
+                if trains and len(actors) > 1 else 0)
         self.supervisor.wait([a.setup.remote(factory, self.config, self.tokenizer.pad_token_id, Ranks(i, len(actors)),
                                              address, port, trains) for i, a in enumerate(actors)], labels, "set-up")
         return actors
 
-    def _write_worker_table(self) -> None:
-        """<output_dir>/workers.json: role, rank and process id of every actor, for whoever runs the job."""
-        import json
-
-        run_dir = Path(self.config.output_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "workers.json").write_text(json.dumps(self.pids, indent=2))
+    def worker_table(self) -> dict[str, int]:
+        return dict(self.pids)
 
     def _rollout_call(self, method: str, *args: Any) -> list[Any]:
         labels = [f"rollout replica {i}" for i in range(len(self.rollout))]
@@ -260,9 +274,12 @@ class RayRoles(Roles):
             ray.wait(closing, num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
         for _, actor in actors:
             ray.kill(actor, no_restart=True)
-        if getattr(self, "group", None) is not None:
+        # The run's own Ray takes its placement group down with it. Asking for the removal would
+        # wait on its GCS, which a signal to the whole process group (a closed terminal) has ended
+        # already: Ray's client retries for 60 s, then ends the driver with status 1.
+        if getattr(self, "group", None) is not None and not self._started_ray:
             remove_placement_group(self.group)
-            self.group = None
+        self.group = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -277,6 +294,24 @@ def restore_signal_handlers(handlers: dict[int, Any]) -> None:
     for signum, handler in handlers.items():
         if callable(handler):
             signal.signal(signum, handler)
+
+
+def fair_threads(world_size: int, cpus_per_worker: float, bundles: list[dict[str, float]],
+                 cores: int) -> tuple[int, str | None]:
+    """(torch threads of each actor, a warning or None) for a Ray of the run's own on `cores` cores.
+    Where the bundles ask for more CPUs than there are, each actor's threads are cut to its
+    bundle's share of the cores (at least 1): a rank with more threads than cores only contends
+    with the others."""
+    threads = max(1, int(cpus_per_worker))
+    wanted = sum(b.get("CPU", 0.0) for b in bundles)
+    if wanted <= cores:
+        return threads, None
+    threads = max(1, min(threads, cores // len(bundles)))
+    engines = len(bundles) - world_size
+    split = f" and {engines} engine replica bundle{'s' * (engines != 1)} (trainer.placement split)" if engines else ""
+    return threads, (f"trainer.world_size {world_size}{split} at trainer.cpus_per_worker {cpus_per_worker:g} ask for "
+                     f"{wanted:g} CPUs on a machine with {cores} core{'s' * (cores != 1)}: the workers share them, "
+                     f"{threads} torch thread{'s' * (threads != 1)} each, and each loads its own model copy")
 
 
 def start_local_ray(bundles: list[dict[str, float]]) -> None:

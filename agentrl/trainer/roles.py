@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from agentrl.config import RecipeConfig
+from agentrl.errors import ConfigError
 from agentrl.models import enable_activation_checkpointing, load_model
 from agentrl.hardware import choose_dtype
 from agentrl.rollout.worker import LocalSink, RolloutWorker
@@ -115,6 +116,12 @@ class Roles:
         tool processes); under Ray also the actors and their placement."""
         ...
 
+    def worker_table(self) -> dict[str, int]:
+        """{'policy rank 1': process id, ...} for the workers in processes of their own (none on the
+        local backend); the driver writes it to <output_dir>/workers.json once the run directory is
+        its own (an earlier run's table goes to previous/ with that run)."""
+        return {}
+
     def save_checkpoint(self, run_dir: Path, step: int, history: list[dict[str, Any]]) -> Path:
         """checkpoints/step_<step>/: sharded policy (and critic) state, then the driver's state."""
         staging = staging_checkpoint(run_dir, step)
@@ -128,8 +135,6 @@ class Roles:
 
     def load_checkpoint(self, path: Path) -> tuple[int, list[dict[str, Any]]]:
         """Restore every role from a checkpoint; returns (its step, the metrics so far)."""
-        from agentrl.errors import ConfigError
-
         state = torch.load(path / TRAINER_STATE, weights_only=False)
         if (state["critic"] is not None) != (self.critic is not None):
             raise ConfigError(f"{path}: the checkpoint was written {'with' if state['critic'] else 'without'} a "
@@ -198,6 +203,35 @@ def ray_environment(private: bool) -> None:
     # Tensors arrive as views of Ray's object store instead of copies (a weight sync is 3x faster,
     # bench/weight_sync.py); receivers only read them (the engines copy them into their weights).
     os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+
+
+def ray_address_parts(address: str) -> tuple[str, int]:
+    """(host, port) of a trainer.ray_address other than 'auto' (host:port, [IPv6]:port or
+    ray://host:port), or a ConfigError naming the key."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")
+    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ConfigError(f"trainer.ray_address: expected host:port, ray://host:port or 'auto', got '{address}'")
+    return host, int(port)
+
+
+def check_ray_settings(config: RecipeConfig) -> None:
+    """Under trainer.backend 'ray', what would otherwise fail only at ray.init or inside every actor,
+    as a ConfigError naming the key, before any model loads. A device index: Ray shows each actor
+    only the GPU it gives it (as cuda:0), so 'cuda:1' names no device there, and 'cuda:0' reads as
+    one GPU for every rank, which it is not. The engines get a share of a GPU only when the
+    training ranks are on CUDA (colocated or split alike); otherwise they see every GPU."""
+    t = config.trainer
+    if t.backend != "ray":
+        return
+    devices = [("trainer.device", t.device)] + ([("engine.device", config.engine.device)]
+                                                if t.device.startswith("cuda") else [])
+    for key, device in devices:
+        if ":" in device:
+            raise ConfigError(f"{key}: '{device}' names a GPU by index, but with trainer.backend 'ray' each actor "
+                              "sees only the GPU Ray gives it; use 'cuda'")
+    if t.ray_address and t.ray_address != "auto":
+        ray_address_parts(t.ray_address)
 
 
 def start_roles(config: RecipeConfig, tokenizer: Any) -> Roles:

@@ -1,0 +1,117 @@
+"""Ray backend settings that are wrong or costly on their own, found without starting Ray: a GPU
+index every actor lacks, a Ray address without a port, more ranks than the machine has cores."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentrl.errors import ConfigError
+from agentrl.recipe import load_recipe
+
+
+def ray_recipe(*overrides: str):
+    return load_recipe(None, ["trainer.backend=ray", *overrides])
+
+
+def check_ray_settings(config) -> None:
+    from agentrl.trainer.roles import check_ray_settings
+
+    check_ray_settings(config)
+
+
+@pytest.mark.parametrize("overrides, key, device", [
+    (["trainer.device=cuda:1"], "trainer.device", "cuda:1"),
+    (["trainer.device=cuda:0"], "trainer.device", "cuda:0"),
+    (["trainer.device=cuda", "engine.device=cuda:1"], "engine.device", "cuda:1"),
+])
+def test_a_cuda_index_under_ray_is_a_recipe_error_before_any_actor_starts(overrides, key, device):
+    """Each actor sees only the GPU Ray gives it, as cuda:0: 'cuda:1' passed the driver's device
+    check and then failed in every rank."""
+    import ray
+
+    from agentrl.trainer.launch import RayRoles
+
+    config = ray_recipe(*overrides)
+    with pytest.raises(ConfigError) as caught:
+        check_ray_settings(config)
+    assert str(caught.value) == (f"{key}: '{device}' names a GPU by index, but with trainer.backend 'ray' each actor "
+                                 "sees only the GPU Ray gives it; use 'cuda'")
+    with pytest.raises(ConfigError):  # the roles check it too, before Ray starts
+        RayRoles(config, tokenizer=None)
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["trainer.device=cuda"],  # every rank's one GPU
+    ["engine.device=cuda:1"],  # training ranks on CPU get no GPU share: the engines see every GPU
+    ["trainer.ray_address=auto"], ["trainer.ray_address=10.0.0.5:6379"], ["trainer.ray_address=ray://head:10001"],
+    ["trainer.ray_address=[::1]:6379"],
+])
+def test_settings_the_actors_can_use_pass(overrides):
+    check_ray_settings(ray_recipe(*overrides))
+    check_ray_settings(load_recipe(None, ["trainer.device=cuda:1"]))  # the local backend: the index is used
+
+
+@pytest.mark.parametrize("address", ["localhost", "ray://head", "[::1]", "head:port", ":6379", "head:99999"])
+def test_a_ray_address_that_is_no_host_and_port_says_what_is_expected(address):
+    """'localhost' was reported as an unreachable cluster, with int()'s ValueError as the cause."""
+    from agentrl.trainer.launch import check_ray_address
+
+    expected = f"trainer.ray_address: expected host:port, ray://host:port or 'auto', got '{address}'"
+    with pytest.raises(ConfigError) as caught:
+        check_ray_address(address, timeout_s=1)
+    assert str(caught.value) == expected
+    with pytest.raises(ConfigError) as caught:  # and before any model loads
+        check_ray_settings(ray_recipe(f"trainer.ray_address={address}"))
+    assert str(caught.value) == expected
+
+
+def test_train_with_a_ray_address_without_a_port_stops_as_a_recipe_error(tmp_path, tiny_model_dir):
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml",
+                           f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "trainer.backend=ray",
+                           "trainer.ray_address=localhost"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == ("agentrl: error: trainer.ray_address: expected host:port, "
+                                                    "ray://host:port or 'auto', got 'localhost'")
+    assert not (tmp_path / "run").exists()  # found before the run wrote anything
+
+
+def test_more_bundle_cpus_than_cores_warns_and_cuts_each_actors_threads():
+    """trainer.world_size=64 on 2 cores started 64 ranks with a thread each per CPU asked for, and
+    the local Ray was told the machine had 64 CPUs; it still runs (no refusal), with a warning."""
+    from agentrl.trainer.launch import fair_threads
+
+    threads, warning = fair_threads(64, 1.0, [{"CPU": 1.0}] * 64, cores=2)
+    assert threads == 1
+    assert warning == ("trainer.world_size 64 at trainer.cpus_per_worker 1 ask for 64 CPUs on a machine with 2 cores: "
+                       "the workers share them, 1 torch thread each, and each loads its own model copy")
+    # Four ranks of 4 CPUs on 8 cores: 2 threads each; with an engine bundle of its own (split), 1.
+    assert fair_threads(4, 4.0, [{"CPU": 4.0}] * 4, cores=8)[0] == 2
+    threads, warning = fair_threads(4, 4.0, [{"CPU": 4.0}] * 5, cores=8)
+    assert threads == 1 and "trainer.world_size 4 and 1 engine replica bundle (trainer.placement split)" in warning
+    # What fits is left alone: the bundle's CPUs as threads, no warning.
+    assert fair_threads(2, 1.0, [{"CPU": 1.0}] * 2, cores=2) == (1, None)
+    assert fair_threads(2, 4.0, [{"CPU": 4.0}] * 2, cores=16) == (4, None)
+
+
+def test_a_run_of_its_own_ray_on_too_few_cores_warns_and_gives_its_actors_the_share(monkeypatch, capsys):
+    from agentrl.trainer import launch
+
+    class Placed(Exception):
+        pass
+
+    def place(roles):
+        raise Placed(roles.threads)  # what each actor is started with
+
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launch, "start_local_ray", lambda bundles: None)
+    monkeypatch.setattr(launch.RayRoles, "_place", place)
+    with pytest.raises(Placed) as placed:
+        launch.RayRoles(ray_recipe("trainer.world_size=64", "trainer.cpus_per_worker=2"), tokenizer=None)
+    assert placed.value.args == (1,)
+    assert capsys.readouterr().err == ("agentrl: warning: trainer.world_size 64 at trainer.cpus_per_worker 2 ask for "
+                                       "128 CPUs on a machine with 2 cores: the workers share them, 1 torch thread "
+                                       "each, and each loads its own model copy\n")
