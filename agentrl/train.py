@@ -198,11 +198,15 @@ def _dotted(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 STEP_MODEL = re.compile(r"step_\d+")  # a step_N/ model directory (trainer.save_every)
-EARLIER_RUN = ("config.yaml", "checkpoints", "trajectories", "metrics.jsonl", "tensorboard", WANDB_RUN_ID, "final",
-               "critic")
+# What only a training run writes (workers.json: a Ray run's table, written just after its recipe).
+TRAINING_EVIDENCE = ("checkpoints", "trajectories", "metrics.jsonl", "tensorboard", WANDB_RUN_ID, "final", "critic",
+                     "workers.json")
+# An earlier run's recipe is moved with its results; alone it is no earlier run: `agentrl eval` and
+# `agentrl rollout` write one too, beside results made before any training run.
+EARLIER_RUN = ("config.yaml", *TRAINING_EVIDENCE)
 # What other commands wrote about an earlier run's models: moved with it, not alone (an evaluation
 # of the base model made before the first run stays where it is).
-EARLIER_RESULTS = re.compile(r"eval_.+\.jsonl?|rollout\.jsonl|rollout_summary\.json|view\.html|plots|workers\.json")
+EARLIER_RESULTS = re.compile(r"eval_.+\.jsonl?|rollout\.jsonl|rollout_summary\.json|view\.html|plots")
 
 
 def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
@@ -211,14 +215,17 @@ def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
     evaluations, rollouts, views and plots made of it, into previous/. Left in place, the earlier
     run's newer checkpoints would outrank this run's (pruning would delete this run's own, and
     resume=auto would continue the other run), its later trajectory files and step_N/ models would
-    show as this run's steps, its final/ and eval_final.json as this run's results.
+    show as this run's steps, its final/ and eval_final.json as this run's results. A directory
+    holding only what `agentrl eval` or `agentrl rollout` wrote (their config.yaml and results,
+    made before any training run) held no earlier run: that stays, this run's recipe replacing
+    their config.yaml as it does when they write beside a training run.
 
     Nothing is deleted: a previous/ already there (an even earlier run, or the run a first restart
     set aside before it failed) becomes previous.1/, previous.2/, ... in the order they were set
     aside, so a second restart cannot lose the run the first one moved."""
     found = [name for name in EARLIER_RUN if (run_dir / name).exists()]
     steps = [p.name for p in run_dir.iterdir() if STEP_MODEL.fullmatch(p.name) and p.is_dir()]
-    if not found and not steps:
+    if not steps and not any(name in TRAINING_EVIDENCE for name in found):  # nothing, or an eval's or rollout's
         return
     results = sorted(p.name for p in run_dir.iterdir() if EARLIER_RESULTS.fullmatch(p.name))
     previous, older = run_dir / "previous", None

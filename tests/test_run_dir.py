@@ -90,3 +90,78 @@ def test_a_resumed_runs_metrics_hold_every_step_of_its_checkpoint(tmp_path):
         logger.log(3, {"reward_mean": 0.3})
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}, {"step": 3, "reward_mean": 0.3}]
+
+
+def test_a_save_keeps_a_users_folders_named_like_its_own_and_clears_only_its_leftovers(tmp_path, monkeypatch):
+    """A save used to stage in <target>.tmp and set the old model aside in <target>.old, deleting
+    whatever was there first: a user's sft.old/ of notes went with an `agentrl sft` to sft/."""
+    import agentrl.trainer.checkpoint as checkpoint
+
+    target = tmp_path / "sft"
+    write(tmp_path, "sft.old/notes.txt", "sft.tmp/notes.txt", ".sft.agentrl-notes/notes.txt")
+    mine = tree(tmp_path)
+    for _ in range(2):  # a first save, then one replacing its model
+        with atomic_directory(target) as staging:
+            write(staging, "config.json")
+    assert tree(tmp_path) == sorted(mine + ["sft/config.json"])
+
+    real_replace = checkpoint.os.replace
+
+    def killed_before_the_new_model_goes_in(source, destination):
+        real_replace(source, destination)
+        if Path(destination).name.startswith(".sft.agentrl-"):  # the old model is aside: the signal lands
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed_before_the_new_model_goes_in)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_directory(target) as staging:
+            write(staging, "config.json")
+    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".sft.agentrl-")]
+    assert len(leftovers) == 3  # the user's, the staged model and the old one set aside
+    with atomic_directory(target) as staging:  # the next save clears them, and nothing of the user's
+        write(staging, "config.json")
+    assert tree(tmp_path) == sorted(mine + ["sft/config.json"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".sft.agentrl-notes", "sft", "sft.old", "sft.tmp"]
+
+
+def test_an_evaluation_before_the_first_training_run_stays_but_an_earlier_run_moves_whole(tmp_path, capsys):
+    """`agentrl eval` writes its config.yaml beside its results; a first `agentrl train` in that
+    directory took the config.yaml for an earlier run's and moved the evaluation to previous/."""
+    write(tmp_path, "config.yaml", "eval_sft.json", "eval_sft.jsonl")
+    set_aside_earlier_run(tmp_path)
+    assert tree(tmp_path) == ["config.yaml", "eval_sft.json", "eval_sft.jsonl"]
+    write(tmp_path, "rollout.jsonl", "rollout_summary.json")  # a rollout's results likewise
+    set_aside_earlier_run(tmp_path)
+    assert not (tmp_path / "previous").exists() and capsys.readouterr().err == ""
+
+    write(tmp_path, "metrics.jsonl", "tensorboard/events")  # a training run: it moves with all of them
+    set_aside_earlier_run(tmp_path)
+    assert tree(tmp_path) == ["previous/config.yaml", "previous/eval_sft.json", "previous/eval_sft.jsonl",
+                              "previous/metrics.jsonl", "previous/rollout.jsonl", "previous/rollout_summary.json",
+                              "previous/tensorboard/events"]
+    ray = tmp_path / "ray"  # a Ray run stopped before its first step: its recipe and its workers' table
+    write(ray, "config.yaml", "workers.json")
+    set_aside_earlier_run(ray)
+    assert tree(ray) == ["previous/config.yaml", "previous/workers.json"]
+
+
+def test_eval_writes_and_prints_the_recipe_it_runs(tmp_path, tiny_model_dir, capsys):
+    """Eval runs one greedy episode per held-out task (eval.seed's); its config.yaml and the recipe
+    it printed said rollout.temperature 1.0, group_size 8 and data.seed 0, the training recipe's."""
+    import yaml
+
+    from agentrl.recipe import load_recipe
+    from agentrl.rollout.run import run_eval
+
+    config = load_recipe("recipes/quickstart.yaml", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}",
+                                                      "eval.num_tasks=2", "rollout.max_new_tokens_per_turn=2",
+                                                      "model.dtype=float32"])
+    assert (config.rollout.temperature, config.rollout.group_size, config.data.seed) == (1.0, 8, 0)
+    run_eval(config)
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    e = config.eval
+    assert (written["rollout"]["temperature"], written["rollout"]["group_size"]) == (e.temperature, 1)
+    assert (written["data"]["seed"], written["data"]["num_tasks"]) == (e.seed, 2)
+    printed = yaml.safe_load(capsys.readouterr().err.split("\nagentrl", 1)[0])
+    assert printed["rollout"] == written["rollout"] and printed["data"] == written["data"]

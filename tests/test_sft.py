@@ -181,7 +181,7 @@ def test_a_save_refuses_a_model_directory_holding_other_files(tmp_path, tokenize
     with pytest.raises(ConfigError, match=r"^sft\.output: .*/afile is a file; a model is saved as a directory"):
         check_replaceable(tmp_path / "afile", "sft.output")
     assert (target / "notes.txt").read_text() == "mine" and (target / "config.json").is_file()
-    assert not (tmp_path / "final.tmp").exists()
+    assert not [p.name for p in tmp_path.iterdir() if ".agentrl-" in p.name]  # no staging directory left
 
 
 def test_a_data_row_the_template_cannot_render_names_its_file_and_line(tmp_path, tiny_model_dir):
@@ -225,3 +225,87 @@ def test_sft_trains_on_the_trainers_device(tmp_path, tiny_model_dir, monkeypatch
     assert main(["sft", "recipes/quickstart.yaml", "trainer.device=cuda:0"]) == 2
     assert capsys.readouterr().err == ("agentrl: error: override 'trainer.device=cuda:0': trainer.device: 'cuda:0' "
                                        f"is not available (torch {torch.__version__} sees no CUDA device)\n")
+
+
+SYSTEM_PROMPT = "Solve the problem. Use the calculator tool for arithmetic, then state the final answer."
+
+
+def trained_samples(monkeypatch, config) -> list:
+    """The samples run_sft trains on (its training steps skipped)."""
+    import agentrl.trainer.sft
+    from agentrl.trainer.sft import run_sft
+
+    seen = []
+    monkeypatch.setattr(agentrl.trainer.sft, "sft_train", lambda model, samples, *a, **k: seen.extend(samples) or [])
+    run_sft(config)
+    return seen
+
+
+def test_a_file_conversation_opens_with_the_recipes_system_prompt_as_an_rl_prompt_does(tmp_path, tiny_model_dir,
+                                                                                       tokenizer, monkeypatch):
+    """A conversation from sft.data without a system message trained after the template's default
+    one, while RL prompts for the same question open with rollout.system_prompt."""
+    import json
+
+    from agentrl.tools.loader import load_tool_files
+    from agentrl.types import Task
+
+    question, own = "What is 12 * 34?", [{"role": "system", "content": "Be brief."}]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"messages": opening + [{"role": "user", "content": question},
+                                                               {"role": "assistant", "content": "408"}]}) + "\n"
+                            for opening in ([], own)))
+    config = sft_recipe(tiny_model_dir, tmp_path / "out", f"sft.data={data}",
+                        "rollout.tool_configs=[tool_configs/calculator.yaml]", f"rollout.system_prompt={SYSTEM_PROMPT}")
+    renderer = ChatRenderer(tokenizer, load_tool_files(config.rollout.tool_configs))
+    renderer.system_prompt = SYSTEM_PROMPT
+    for sample, task in zip(trained_samples(monkeypatch, config),
+                            (Task("t", question), Task("t", own + [{"role": "user", "content": question}]))):
+        prompt = sample.token_ids[:sample.loss_mask.index(1)]
+        assert prompt == renderer.prompt_ids(task.messages(SYSTEM_PROMPT))  # a conversation's own system message stays
+        assert tokenizer.decode(sample.token_ids[len(prompt):]) == "408<|im_end|>"
+
+
+def test_batches_are_dealt_from_shuffled_epochs(tiny_model, monkeypatch):
+    """Each batch was drawn on its own: the quickstart's 3 steps of 4 saw 9 of its 16 demonstrations."""
+    import agentrl.trainer.sft
+    from agentrl.trainer.sft import Sample
+
+    samples = [Sample([1, 100 + i, 2], [0, 1, 1]) for i in range(16)]
+    drawn: list[list[int]] = []
+    real = agentrl.trainer.sft.pad_sequences
+    monkeypatch.setattr(agentrl.trainer.sft, "pad_sequences",
+                        lambda ids, masks, *a: drawn.append([row[1] - 100 for row in ids]) or real(ids, masks, *a))
+
+    def order(steps: int, batch_size: int, seed: int = 1000) -> list[list[int]]:
+        drawn.clear()
+        sft_train(tiny_model, samples, 2, steps=steps, batch_size=batch_size, lr=1e-3, seed=seed)
+        return list(drawn)
+
+    quickstart = order(3, 4)
+    assert len({i for batch in quickstart for i in batch}) == 12  # no demonstration twice ...
+    five = order(5, 4)
+    assert five[:3] == quickstart and sorted(i for batch in five[:4] for i in batch) == list(range(16))  # ... all once
+    assert order(5, 4, seed=7) != five
+    for batch in order(6, 5):  # batches running past an epoch's end hold no example twice
+        assert len(batch) == len(set(batch)) == 5
+    dealt = [i for batch in drawn for i in batch]
+    assert sorted(dealt[:16]) == list(range(16)) and sorted(dealt[16:]) == sorted(set(dealt[16:]))
+    assert all(sorted(batch) == list(range(16)) for batch in order(2, 20))  # a batch larger than the set: all of it
+
+
+def test_a_bad_sft_base_model_is_named_by_its_key(tmp_path, tiny_model_dir, tokenizer, monkeypatch):
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.sft import run_sft
+
+    no_weights = tmp_path / "tokenizer-only"
+    tokenizer.save_pretrained(no_weights)
+    for base, key, why in (
+            (tmp_path / "nowhere", "sft.base_model", "not a local model directory"),
+            (no_weights, "sft.base_model", "the directory holds no model (no config.json)")):
+        with pytest.raises(ConfigError) as err:
+            run_sft(sft_recipe(tiny_model_dir, tmp_path / "out", f"sft.base_model={base}"))
+        assert str(err.value).startswith(f"{key}: model '{base}': {why}")
+    with pytest.raises(ConfigError) as err:  # no sft.base_model: model.path's is the one
+        run_sft(sft_recipe(no_weights, tmp_path / "out"))
+    assert str(err.value) == f"model.path: model '{no_weights}': the directory holds no model (no config.json)"

@@ -3,7 +3,8 @@
 Everything the user wrote (tool files, interaction, reward function, data settings) is loaded and
 checked before the model is, so a mistake costs no model load. `rollout` and `eval` write the
 effective recipe to <output_dir>/config.yaml as `train` does, so `agentrl view` can decode their
-trajectories.
+trajectories; eval's is the recipe it runs (`eval_recipe`: eval.temperature, one episode per task,
+the held-out tasks), so the file says how its results were made.
 """
 
 from __future__ import annotations
@@ -258,9 +259,11 @@ def eval_name(model_path: str, output_dir: str) -> str:
     return "_".join(part for part in path.parts if part not in ("/", ".", "..")) or Path(os.path.abspath(model_path)).name
 
 
-def run_eval(config: RecipeConfig) -> dict[str, float]:
-    """`agentrl eval`: one episode per held-out task at eval.temperature; accuracy = mean outcome reward."""
-    print(to_yaml(config), file=sys.stderr)
+def eval_recipe(config: RecipeConfig) -> RecipeConfig:
+    """The recipe `agentrl eval` runs: the given one with one episode per task at eval.temperature
+    (rollout.temperature and rollout.group_size), on the held-out tasks (eval.files, or the
+    arithmetic tasks of eval.seed) as data. It is the one eval prints and writes to config.yaml,
+    so that they say how its results were made."""
     if config.reward.function is None:
         raise ConfigError("reward.function: null, so eval has nothing to score: its accuracy is the mean outcome "
                           "reward")
@@ -276,11 +279,22 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
         overrides["data"] = {**config.data.model_dump(), "seed": e.seed, "num_tasks": e.num_tasks}
     else:
         raise ConfigError("eval.files: held-out files are needed when data.source is not 'arithmetic'")
-    eval_config = RecipeConfig.model_validate({**config.model_dump(), **overrides})
+    return RecipeConfig.model_validate({**config.model_dump(), **overrides})
+
+
+def run_eval(config: RecipeConfig) -> dict[str, float]:
+    """`agentrl eval`: one episode per held-out task at eval.temperature; accuracy = mean outcome reward."""
+    try:
+        eval_config = eval_recipe(config)
+    except Exception:  # the recipe as given, first, as every command prints it
+        print(to_yaml(config), file=sys.stderr)
+        raise
+    print(to_yaml(eval_config), file=sys.stderr)
+    e = config.eval
     runner, tasks = build_runner(eval_config, files_key="eval.files" if e.files else "data.files")
     out = Path(config.output_dir) / f"eval_{eval_name(config.model.path, config.output_dir)}.jsonl"
     try:
-        write_run_config(config)
+        write_run_config(eval_config)
         started = time.perf_counter()
         trajectories = run_streamed(runner, tasks, 1, config.rollout.max_concurrent_episodes, out,
                                     stale=(out.with_suffix(".json"),))

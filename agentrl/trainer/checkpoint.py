@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -82,26 +83,56 @@ def check_replaceable(path: str | Path, key: str | None = None) -> None:
                           "whole directory, so choose another path or move them")
 
 
+# A model save's own directories beside its target: `.<name>.agentrl-<12 hex digits>`, a name no user
+# folder has by chance. A fixed name (`final.old`, `sft.tmp`) may be a user's own folder, which
+# clearing an interrupted save's leftovers would delete.
+_SAVE_TAG = ".agentrl-"
+
+
+def _is_save_leftover(entry: Path, name: str) -> bool:
+    """`entry` is a staging or set-aside directory of an interrupted save of `name`."""
+    return (entry.is_dir() and not entry.is_symlink()
+            and re.fullmatch(re.escape(f".{name}{_SAVE_TAG}") + r"[0-9a-f]{12}", entry.name) is not None)
+
+
+def _save_directory(path: Path) -> Path:
+    """A new, empty directory beside `path` with a name of a save's own (_SAVE_TAG); made with the
+    process's umask, so the model directory it becomes has the permissions of any other."""
+    while True:
+        candidate = path.with_name(f".{path.name}{_SAVE_TAG}{secrets.token_hex(6)}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:  # drawn twice: draw again
+            continue
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yields a staging directory; on success it replaces `path`, which check_replaceable allows.
 
     The old directory is renamed aside before the new one is renamed in, and deleted only after:
     deleted in place, file by file, a signal in between (a scheduler's time limit) left a model
-    directory without its config.json, which every later launch refused."""
+    directory without its config.json, which every later launch refused. The staging and set-aside
+    directories have names of their own (_SAVE_TAG), and only directories so named are removed as
+    an interrupted save's leftovers: whatever else is beside the target stays."""
     path = Path(path)
     check_replaceable(path)
-    staging, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    for leftover in (staging, old):  # of a save interrupted before
-        shutil.rmtree(leftover, ignore_errors=True)
-    staging.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in path.parent.iterdir():  # of a save interrupted before
+        if _is_save_leftover(leftover, path.name):
+            shutil.rmtree(leftover, ignore_errors=True)
+    staging = _save_directory(path)
     yield staging
     sync_tree(staging)  # on disk before the old directory goes (see commit_checkpoint)
+    old = None
     if path.exists():
-        os.replace(path, old)
+        old = _save_directory(path)
+        os.replace(path, old)  # a directory replaces the empty one that reserved the name
     os.replace(staging, path)
     _sync_directory(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
