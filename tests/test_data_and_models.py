@@ -183,7 +183,8 @@ def test_unknown_model_fails_clearly():
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("agentrl: error: model 'nobody/no-such-model': not a local model directory, "
-                           "not a builtin (smollm2-135m-instruct), and loading it as a hub id failed (")
+                           "not a builtin (smollm2-135m-instruct) nor a hub id in the local cache, and downloading "
+                           "it from the hub failed (")
 
 
 def test_template_that_ignores_tools_is_replaced(tmp_path, tokenizer, capsys):

@@ -30,7 +30,8 @@ def test_smollm2_with_the_project_template_passes_every_check():
     lines = done.stdout.splitlines()
     assert lines == [
         "PASS tools: calculator, check_answer appear in the prompt with their descriptions",
-        "PASS prefix: appending assistant, tool, user, assistant turns kept every earlier rendering as a prefix",
+        "PASS prefix: the prompt holds the system and user messages; appending assistant, tool, user, assistant "
+        "turns kept every earlier rendering as a prefix",
         'PASS tool-call: calculator({"expression": "12 * 34"}) rendered and parsed back unchanged',
         lines[3],  # token counts depend on the prompt; checked below
         "PASS stop: stop tokens '<|im_end|>'=2 are single tokens; the assistant turn ends with '<|im_end|>'",
@@ -174,3 +175,25 @@ def test_a_template_that_drops_tool_results_fails_prefix(tokenizer):
     variant.chat_template = variant.chat_template.replace(tool_branch, "")
     check = next(c for c in Doctor(variant, [calculator], "hermes").run() if c.name == "prefix")
     assert check.line() == "FAIL prefix: appending a tool turn added '', which does not contain its content '408'"
+
+
+@pytest.mark.parametrize("original, replacement, role, content", [
+    # a fixed system prompt in place of the recipe's: 5/5 used to pass, and rollout.system_prompt vanished
+    ("{{ system if system is not none else 'You are a helpful assistant.' }}", "You are a helpful assistant.",
+     "system", "You are a careful assistant."),
+    # the first user message skipped along with the system message
+    ("{%- if not (loop.first and message['role'] == 'system') -%}", "{%- if loop.index > 2 -%}",
+     "user", "What is 12 * 34?"),
+], ids=["fixed-system-prompt", "drops-first-user-message"])
+def test_a_template_that_drops_an_opening_message_fails_prefix_naming_it(tokenizer, tmp_path, capsys,
+                                                                         original, replacement, role, content):
+    from agentrl.cli import main
+
+    assert tokenizer.chat_template.count(original) == 1
+    template = tmp_path / "template.jinja"
+    template.write_text(tokenizer.chat_template.replace(original, replacement))
+    assert main(["doctor", "--model", "smollm2-135m-instruct", "--chat-template", str(template)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (f"FAIL prefix: the rendered prompt does not contain the {role} message's content "
+                        f"{content!r}: the template drops or replaces it")
+    assert lines[-1] == "4/5 checks passed; failed: prefix"

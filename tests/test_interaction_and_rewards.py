@@ -48,14 +48,15 @@ def test_interaction_gives_up_after_max_attempts(tokenizer):
 
 def test_check_answer_step_and_final_rewards(tokenizer):
     call = '<tool_call>\n{"name": "check_answer", "arguments": {"answer": "%s"}}\n</tool_call>'
-    engine = ScriptedEngine(tokenizer, [call % "70", call % "72", call % "72", "Done: 72"])
+    engine = ScriptedEngine(tokenizer, [call % "72", call % "70", "Done: 72"])
     runner = EpisodeRunner(engine, tokenizer, [CheckAnswer()], parse_hermes,
                            EpisodeSettings(tool_step_rewards=True, tool_final_rewards=True), reward_fn=None)
     traj = asyncio.run(runner.run(TASK, group_id="g"))
     replies = [m["content"] for m in traj.messages if m["role"] == "tool"]
-    assert replies == ["Incorrect. Check your work and try again.", "Correct.", "Correct."]
-    assert traj.metrics["tool_step_reward"] == 1.0  # only the first correct submission pays
-    assert traj.reward == 2.0 and traj.metrics["answer_correct"] == 2.0
+    assert replies == ["Correct.", "Not checked: an answer was already submitted, and only 1 submission per task "
+                                   "can be checked."]
+    assert traj.metrics["tool_step_reward"] == 1.0  # the first submission pays, once
+    assert traj.reward == 2.0 and traj.metrics["answer_correct"] == 1.0
 
 
 @pytest.mark.parametrize("text,value", [("The answer is 1,234.5.", 1234.5), ("$-7", -7.0), ("none", None),

@@ -81,7 +81,7 @@ def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
     ("tools:\n  - class: calculator\n    confg: {}\n",
      "tool #1 (class 'calculator'): unknown key 'confg' (allowed: class, config, schema)"),
     ("tools:\n  - class: check_answer\n    config: {tolerence: 1}\n",
-     "tool #1 (class 'check_answer'): config: unknown key 'tolerence' (allowed: tolerance)"),
+     "tool #1 (class 'check_answer'): config: unknown key 'tolerence' (allowed: max_attempts, tolerance)"),
     ("tools:\n  - class: check_answer\n    config: {tolerance: [0.1]}\n",
      "tool #1 (class 'check_answer'): config.tolerance = [0.1]: expected float (Input should be a valid number)"),
     ("tools:\n  - class: check_answer\n    config: {tolerance: 1e-6x}\n",

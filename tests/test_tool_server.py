@@ -91,10 +91,13 @@ def test_remote_tools_behave_like_local_ones(server, tmp_path, monkeypatch):
     assert isinstance(check, RemoteTool) and check.schema["function"]["parameters"]["required"] == ["answer"]
 
     async def lifecycle():
-        await check.create("ep1/check_answer", ground_truth="#### 72")
-        wrong, right = [await check.execute("ep1/check_answer", {"answer": a}) for a in ("71", "72")]
-        final = await check.reward("ep1/check_answer")
-        await check.release("ep1/check_answer")
+        for episode in ("ep1", "ep2"):  # one submission per episode is checked
+            await check.create(f"{episode}/check_answer", ground_truth="#### 72")
+        wrong = await check.execute("ep1/check_answer", {"answer": "71"})
+        right = await check.execute("ep2/check_answer", {"answer": "72"})
+        final = await check.reward("ep2/check_answer")
+        for episode in ("ep1", "ep2"):
+            await check.release(f"{episode}/check_answer")
         await every[2].create("ep1/explode")
         with pytest.raises(RemoteToolError, match=r"^RuntimeError: boom: why$"):
             await every[2].execute("ep1/explode", {"reason": "why"})
@@ -103,7 +106,7 @@ def test_remote_tools_behave_like_local_ones(server, tmp_path, monkeypatch):
 
     wrong, right, final = asyncio.run(lifecycle())
     assert (wrong.text, wrong.reward, right.text, right.reward, final) == (
-        "Incorrect. Check your work and try again.", 0.0, "Correct.", 1.0, 1.0)
+        "Incorrect. No more answers will be checked.", 0.0, "Correct.", 1.0, 1.0)
     assert right.metrics == {"answer_correct": 1.0}
     stats = api(server).get("/stats").json()["tools"]
     assert stats["explode"]["execute"]["calls"] >= 1 and stats["explode"]["execute"]["errors"] >= 1

@@ -1,8 +1,15 @@
 """`check_answer`: the model submits a number, the tool compares it with the task's ground truth.
 
-Stateful per episode (verl's Gsm8kTool lifecycle): `create` receives the ground truth, each
-`execute` returns a step reward (1.0 the first time the answer is right, 0.0 otherwise) and a
-sentence the model can react to, `reward` reports whether the episode ever got it right.
+Stateful per episode (verl's Gsm8kTool lifecycle): `create` receives the ground truth, `execute`
+checks a submission and returns a step reward and a sentence the model can react to, `reward`
+reports whether the episode's first submission was right.
+
+Only the first `max_attempts` submissions (default 1) are checked; a later one is answered "not
+checked" without saying whether it is right. A checker that answers every guess lets a policy try
+numbers until one is marked correct and then state that one: the outcome reward (and held-out
+accuracy, since eval keeps the tools) would count answers found by guessing, and GRPO would learn
+to guess. For the same reason the step reward, the final reward and the `answer_correct` metric
+count the first submission only, whatever `max_attempts` allows.
 """
 
 from __future__ import annotations
@@ -63,47 +70,69 @@ def checked_tolerance(tolerance: float) -> float:
 
 
 class CheckAnswer:
-    """Tells the model whether its final numeric answer is right."""
+    """Tells the model whether its final numeric answer is right, for its first `max_attempts` submissions."""
 
-    schema: dict[str, Any] = {
-        "type": "function",
-        "function": {
-            "name": "check_answer",
-            "description": "Submit your final numeric answer; the reply says whether it is correct.",
-            "parameters": {
-                "type": "object",
-                "properties": {"answer": {"type": ["string", "number"], "description": "The final answer, a number."}},
-                "required": ["answer"],
-            },
-        },
-    }
-
-    def __init__(self, tolerance: float = 1e-6):
+    def __init__(self, tolerance: float = 1e-6, max_attempts: int = 1):
         self.tolerance = checked_tolerance(tolerance)
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"max_attempts must be a whole number of at least 1, got {max_attempts!r}")
+        self.max_attempts = max_attempts
+        # Per instance: the description tells the model how many submissions are checked, so that
+        # it does not spend its turns on answers nobody will check.
+        only = ("only your first submission is checked" if max_attempts == 1
+                else f"only your first {max_attempts} submissions are checked")
+        self.schema: dict[str, Any] = {
+            "type": "function",
+            "function": {
+                "name": "check_answer",
+                "description": f"Submit your final numeric answer; the reply says whether it is correct ({only}).",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"answer": {"type": ["string", "number"], "description": "The final answer, a number."}},
+                    "required": ["answer"],
+                },
+            },
+        }
         self._truth: dict[str, float | None] = {}
-        self._solved: dict[str, bool] = {}
+        self._attempts: dict[str, int] = {}
+        self._first_correct: dict[str, bool] = {}
 
     async def create(self, instance_id: str, ground_truth: str | None = None, **kwargs: Any) -> str:
         self._truth[instance_id] = ground_truth_number(ground_truth) if ground_truth else None
-        self._solved[instance_id] = False
+        self._attempts[instance_id] = 0
+        self._first_correct[instance_id] = False
         return instance_id
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         truth = self._truth.get(instance_id)
-        submitted = parse_number(arguments.get("answer"))
         if truth is None:
             return ToolResult("Error: this task has no ground truth to check against.")
-        if submitted is None:
-            return ToolResult("Error: the answer must contain a number.", reward=0.0)
+        attempts = self._attempts.get(instance_id, 0)
+        if attempts >= self.max_attempts:  # said without checking: the reply must not reveal the answer
+            checked = "1 submission" if self.max_attempts == 1 else f"{self.max_attempts} submissions"
+            return ToolResult(f"Not checked: an answer was already submitted, and only {checked} per task can be checked.",
+                              metrics={"answers_refused": 1.0})
+        submitted = parse_number(arguments.get("answer"))
+        if submitted is None:  # reveals nothing, so it uses up no submission
+            return ToolResult("Error: the answer must contain a number.")
+        self._attempts[instance_id] = attempts + 1
         correct = abs(submitted - truth) <= self.tolerance * max(1.0, abs(truth))
-        first = correct and not self._solved[instance_id]
-        self._solved[instance_id] = self._solved[instance_id] or correct
-        return ToolResult("Correct." if correct else "Incorrect. Check your work and try again.",
-                          reward=1.0 if first else 0.0, metrics={"answer_correct": float(correct)})
+        left = self.max_attempts - attempts - 1
+        if correct:
+            text = "Correct."
+        elif left:
+            text = f"Incorrect. You may submit {left} more answer{'s' if left != 1 else ''}."
+        else:  # no invitation to try again: nothing more would be checked
+            text = "Incorrect. No more answers will be checked."
+        if attempts:  # a later submission: its feedback only; the reward counts the first
+            return ToolResult(text)
+        self._first_correct[instance_id] = correct
+        return ToolResult(text, reward=1.0 if correct else 0.0, metrics={"answer_correct": float(correct)})
 
     async def reward(self, instance_id: str) -> float | None:
-        return 1.0 if self._solved.get(instance_id) else 0.0
+        return 1.0 if self._first_correct.get(instance_id) else 0.0
 
     async def release(self, instance_id: str) -> None:
         self._truth.pop(instance_id, None)
-        self._solved.pop(instance_id, None)
+        self._attempts.pop(instance_id, None)
+        self._first_correct.pop(instance_id, None)
