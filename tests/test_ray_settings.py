@@ -24,7 +24,6 @@ def check_ray_settings(config) -> None:
 
 @pytest.mark.parametrize("overrides, key, device", [
     (["trainer.device=cuda:1"], "trainer.device", "cuda:1"),
-    (["trainer.device=cuda:0"], "trainer.device", "cuda:0"),
     (["trainer.device=cuda", "engine.device=cuda:1"], "engine.device", "cuda:1"),
 ])
 def test_a_cuda_index_under_ray_is_a_recipe_error_before_any_actor_starts(overrides, key, device):
@@ -45,7 +44,7 @@ def test_a_cuda_index_under_ray_is_a_recipe_error_before_any_actor_starts(overri
 
 
 @pytest.mark.parametrize("overrides", [
-    ["trainer.device=cuda"],  # every rank's one GPU
+    ["trainer.device=cuda"], ["trainer.device=cuda:0"],  # every rank's one GPU, as Ray shows it
     ["engine.device=cuda:1"],  # training ranks on CPU get no GPU share: the engines see every GPU
     ["trainer.ray_address=auto"], ["trainer.ray_address=10.0.0.5:6379"], ["trainer.ray_address=ray://head:10001"],
     ["trainer.ray_address=[::1]:6379"],

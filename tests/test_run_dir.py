@@ -125,6 +125,21 @@ def test_a_save_keeps_a_users_folders_named_like_its_own_and_clears_only_its_lef
     assert sorted(p.name for p in tmp_path.iterdir()) == [".sft.agentrl-notes", "sft", "sft.old", "sft.tmp"]
 
 
+def test_a_save_replaces_a_symlinked_model_directory_and_leaves_what_it_pointed_to(tmp_path):
+    """final -> elsewhere/final: the save moves the link aside and puts the model in its place, as
+    it always did; reserving the set-aside name with a directory made that rename fail (a directory
+    cannot replace a link) after the whole model was written."""
+    elsewhere = tmp_path / "disk" / "final"
+    write(elsewhere.parent, "final/config.json")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "final").symlink_to(elsewhere)
+    with atomic_directory(run / "final") as staging:
+        write(staging, "config.json", "model.safetensors")
+    assert not (run / "final").is_symlink() and tree(run) == ["final/config.json", "final/model.safetensors"]
+    assert tree(elsewhere) == ["config.json"]  # what the link pointed to is not the save's to delete
+
+
 def test_an_evaluation_before_the_first_training_run_stays_but_an_earlier_run_moves_whole(tmp_path, capsys):
     """`agentrl eval` writes its config.yaml beside its results; a first `agentrl train` in that
     directory took the config.yaml for an earlier run's and moved the evaluation to previous/."""

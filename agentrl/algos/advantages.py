@@ -69,9 +69,12 @@ def reinforce_pp_advantages(returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> 
     Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs", arXiv:2501.03262: a
     token's return is the outcome reward (here less its group's mean, the paper's baseline variant)
     minus β times the KL-to-go when the KL is a reward penalty; the advantage is that return
-    normalised over the batch's tokens, so β is in reward units and the advantages have mean 0.
-    (Whitening each sequence's reward before subtracting the KL made β a multiple of the batch's
-    reward spread and left the advantages off centre.) Mask-0 tokens get 0; all-equal returns 0.
+    normalised over the batch's tokens, so β weighs the KL against the rewards in their own units
+    and the advantages have mean 0. (Whitening each sequence's reward before subtracting the KL made
+    β a multiple of the batch's reward spread and left the advantages off centre.) A batch whose
+    rewards are all equal has only the KL left in its returns, which the whitening scales up to unit
+    spread, as in the paper's formulation: that step pulls towards the reference alone. Mask-0
+    tokens get 0; all-equal returns 0.
     """
     return masked_whiten(returns_BT, mask_BT)
 

@@ -99,12 +99,21 @@ def _save_directory(path: Path) -> Path:
     """A new, empty directory beside `path` with a name of a save's own (_SAVE_TAG); made with the
     process's umask, so the model directory it becomes has the permissions of any other."""
     while True:
-        candidate = path.with_name(f".{path.name}{_SAVE_TAG}{secrets.token_hex(6)}")
+        candidate = _save_name(path)
         try:
             candidate.mkdir()
             return candidate
         except FileExistsError:  # drawn twice: draw again
             continue
+
+
+def _save_name(path: Path) -> Path:
+    """An unused name of a save's own beside `path`, not created: the old target is renamed to it,
+    and renaming a symlinked target (final -> /big/disk/final) onto a directory fails."""
+    while True:
+        candidate = path.with_name(f".{path.name}{_SAVE_TAG}{secrets.token_hex(6)}")
+        if not os.path.lexists(candidate):
+            return candidate
 
 
 @contextlib.contextmanager
@@ -126,13 +135,16 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     yield staging
     sync_tree(staging)  # on disk before the old directory goes (see commit_checkpoint)
     old = None
-    if path.exists():
-        old = _save_directory(path)
-        os.replace(path, old)  # a directory replaces the empty one that reserved the name
+    if os.path.lexists(path):
+        old = _save_name(path)
+        os.replace(path, old)  # a symlinked target: the link moves aside, what it points to stays
     os.replace(staging, path)
     _sync_directory(path.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -104,6 +104,7 @@ def init_process_group(ranks: Ranks, address: str, port: int, device_type: str, 
         if listener is not None:
             listener.close()
         return
+    address = address.strip("[]")  # an IPv6 address as a URL writes it: TCPStore takes it bare
     if device_type == "cpu" and is_loopback(address):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep single-node traffic on loopback
     timeout = timedelta(seconds=timeout_s)

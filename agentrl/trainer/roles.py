@@ -218,16 +218,16 @@ def ray_address_parts(address: str) -> tuple[str, int]:
 def check_ray_settings(config: RecipeConfig) -> None:
     """Under trainer.backend 'ray', what would otherwise fail only at ray.init or inside every actor,
     as a ConfigError naming the key, before any model loads. A device index: Ray shows each actor
-    only the GPU it gives it (as cuda:0), so 'cuda:1' names no device there, and 'cuda:0' reads as
-    one GPU for every rank, which it is not. The engines get a share of a GPU only when the
-    training ranks are on CUDA (colocated or split alike); otherwise they see every GPU."""
+    only the GPU it gives it (as cuda:0), so 'cuda:1' names no device there ('cuda:0' is each
+    actor's own GPU, as 'cuda' is). The engines get a share of a GPU only when the training ranks
+    are on CUDA (colocated or split alike); otherwise they see every GPU."""
     t = config.trainer
     if t.backend != "ray":
         return
     devices = [("trainer.device", t.device)] + ([("engine.device", config.engine.device)]
                                                 if t.device.startswith("cuda") else [])
     for key, device in devices:
-        if ":" in device:
+        if ":" in device and device != "cuda:0":
             raise ConfigError(f"{key}: '{device}' names a GPU by index, but with trainer.backend 'ray' each actor "
                               "sees only the GPU Ray gives it; use 'cuda'")
     if t.ray_address and t.ray_address != "auto":
