@@ -10,16 +10,11 @@ import pytest
 
 from agentrl.errors import ConfigError
 from agentrl.recipe import load_recipe
+from agentrl.trainer.roles import check_ray_settings
 
 
 def ray_recipe(*overrides: str):
     return load_recipe(None, ["trainer.backend=ray", *overrides])
-
-
-def check_ray_settings(config) -> None:
-    from agentrl.trainer.roles import check_ray_settings
-
-    check_ray_settings(config)
 
 
 @pytest.mark.parametrize("overrides, key, device", [
