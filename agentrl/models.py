@@ -61,6 +61,23 @@ def resolve_model(name_or_path: str) -> str:
     return name_or_path
 
 
+def local_model_path(name_or_path: str) -> str:
+    """`resolve_model`'s answer, with a hub id that is in the local hub cache replaced by its cached
+    snapshot directory: the files `local_first` loads for the trainer. For a process that fetches a
+    hub id itself (SGLang): without a network it would wait out the hub's retries, and with one it
+    could load a newer revision than the trainer's, so the engine's weights would not be the
+    policy's. A hub id that is not cached is returned as it is, for that process to download."""
+    path = resolve_model(name_or_path)
+    if not hub_candidate(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path, local_files_only=True)
+    except (OSError, ValueError):  # not in the cache (LocalEntryNotFoundError), or not a repo id
+        return path
+
+
 def provision_builtin(name: str) -> Path:
     """The cached model directory for a builtin name, created on first use (process-safe)."""
     target = cache_root() / "models" / name

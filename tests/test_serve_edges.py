@@ -344,3 +344,46 @@ def test_a_non_finite_logprob_is_an_engine_error_and_nothing_is_recorded(tokeniz
     assert (refused.value.status, refused.value.code) == (500, "engine_error")
     assert str(refused.value) == "generation failed: the engine gave sampled token 0 the logprob -inf (a diverged model?)"
     assert service.sessions.get("s").turns == 0
+
+
+def test_megabytes_of_conversation_are_refused_by_their_length_before_they_are_encoded(tokenizer, monkeypatch):
+    """Encoding 8 MB of text took the event loop, shared by every session, for 3-12 s, only to refuse it
+    by its token count. A token stands for at most max_token_chars characters, so a rendering longer
+    than the context times that is refused as too long at once, as a first prompt and as a session's
+    new messages; shorter ones are still counted in tokens."""
+    from agentrl.rollout.chat import ChatRenderer, max_token_chars
+
+    encoded: list[int] = []
+    for name in ("encode", "encode_text"):
+        original = getattr(ChatRenderer, name)
+        monkeypatch.setattr(ChatRenderer, name,
+                            lambda self, text, _f=original: encoded.append(len(text)) or _f(self, text))
+    longest = max(len(tokenizer.convert_ids_to_tokens(i)) for i in range(len(tokenizer)))
+    assert max_token_chars(tokenizer) == 2 * longest
+    engine = ScriptedEngine(tokenizer, [CALL, ANSWER])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(max_context_tokens=300))
+    huge = "word " * 400_000  # 2 MB, 400k tokens
+    rendered = len(tokenizer.apply_chat_template([{"role": "user", "content": huge}], tokenize=False,
+                                                 add_generation_prompt=True))
+    for session_id in (None, "s"):
+        with pytest.raises(RequestError) as refused:
+            asyncio.run(ask(service, {"messages": [{"role": "user", "content": huge}]}, session_id))
+        assert refused.value.code == "context_length_exceeded" and refused.value.status == 400
+        assert refused.value.message == (f"the conversation is more than 299 tokens ({rendered} characters rendered), "
+                                         "which leaves no room for a reply within max_context_tokens=300")
+    assert service.sessions.get("s").refused == "length"
+    assert encoded == [] and engine.prompts == []
+
+    messages = TASK.messages()
+    reply = asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "t"))["choices"][0]
+    message = {k: v for k, v in reply["message"].items() if v is not None}
+    messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": huge}]
+    encoded.clear()
+    with pytest.raises(RequestError, match=r"^the conversation is more than 299 tokens \(2000\d\d\d characters"):
+        asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "t"))
+    assert service.sessions.get("t").refused == "length" and max(encoded, default=0) < 1000
+    # Under the bound, the tokens decide, as before: 300 tokens' worth of tool output is refused by its count.
+    messages[-1]["content"] = "word " * 300
+    with pytest.raises(RequestError, match=r"^the conversation is \d+ tokens, which leaves no room"):
+        asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "u"))
+    assert max(encoded) > 1000

@@ -12,6 +12,7 @@ import base64
 import io
 import pickle
 import re
+import shutil
 import signal
 import sys
 import tarfile
@@ -129,6 +130,23 @@ def test_the_running_engines_own_limit_is_checked_and_the_engine_closed(tiny_mod
     assert len(in_process.started) == 1
     engine = build_engine(sglang_recipe(tiny_model_dir, "rollout.max_context_tokens=1000"), pad_token_id=2)
     assert not engine.closed
+
+
+def test_a_cached_hub_id_reaches_sglang_as_the_snapshot_the_trainer_loads(tiny_model_dir, in_process, tmp_path,
+                                                                          monkeypatch):
+    """SGLang was handed the hub id and fetched it itself: offline it waited out the hub's retries, online
+    it could load a newer revision than the cached one the trainer loads (`local_first`)."""
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--fake--tiny" / "snapshots" / ("c0ffee" * 6 + "0000")
+    shutil.copytree(tiny_model_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # no local fake/ directory
+    build_engine(sglang_recipe("fake/tiny", "rollout.max_context_tokens=1024"), pad_token_id=2)
+    build_engine(sglang_recipe("nobody/not-cached", "rollout.max_context_tokens=1024"), pad_token_id=2)
+    assert [args["model_path"] for args in in_process.started] == [str(snapshot), "nobody/not-cached"]
 
 
 def test_a_given_server_is_held_to_the_limit_it_reports(tiny_model_dir, server, monkeypatch):

@@ -54,6 +54,29 @@ def plain_text_tokenizer(tokenizer: Any) -> Any:
         return plain
 
 
+_token_chars: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token stands for: the longest token string in the vocabulary (a
+    byte-level token's string has a character per byte, so never fewer than its text has), times 2
+    for normalisers that compose several characters into one. Computed once per tokenizer."""
+    chars = _token_chars.get(tokenizer)
+    if chars is None:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        chars = _token_chars[tokenizer] = 2 * max(len(t) for t in tokens if isinstance(t, str))
+    return chars
+
+
+class PromptTooLong(ValueError):
+    """A rendering that is more than `limit` tokens, known from its length alone: encoding megabytes
+    of text takes seconds, and an endpoint encodes on the event loop every session shares."""
+
+    def __init__(self, chars: int, limit: int):
+        super().__init__(f"{chars} characters, more than {limit} tokens")
+        self.chars, self.limit = chars, limit
+
+
 class TemplateError(RuntimeError):
     """The chat template cannot continue this conversation token by token."""
 
@@ -78,6 +101,9 @@ class ChatRenderer:
         # The recipe's system prompt is the one message rendered as written; any other system
         # message (a task file's, a client's) is data, kept as text like every other message's.
         self.system_prompt: str | None = None
+        # Set by the endpoint: a prompt longer than this many tokens is refused before it is encoded
+        # when its length in characters already shows it (PromptTooLong).
+        self.max_tokens: int | None = None
         problem = schema_special_text(self.schemas, self.special_texts)
         if problem:
             raise SpecialTextError(problem)
@@ -98,7 +124,7 @@ class ChatRenderer:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def encode_rendered(self, text: str, messages: list[dict[str, Any]],
-                        remake: Callable[[list[dict[str, Any]]], str]) -> list[int]:
+                        remake: Callable[[list[dict[str, Any]]], str], limit: int | None = None) -> list[int]:
         """Ids of `text`, a rendering that holds `messages`, in which the messages' own text can
         never become control tokens: a tool's output or a task's prompt that contains the string
         `<|im_end|>` would otherwise end its turn and open a turn the policy never wrote. Such a
@@ -109,7 +135,12 @@ class ChatRenderer:
 
         Where each such content sits is found by rendering again (`remake` makes `text` from other
         messages) with a marker in its place, never by searching for the content, which could match
-        the template's own tokens first (a prompt that is just `<|im_start|>`)."""
+        the template's own tokens first (a prompt that is just `<|im_start|>`).
+
+        With a `limit`, a text too long to be `limit` tokens or fewer, by its length in characters,
+        raises PromptTooLong before any encoding."""
+        if limit is not None and len(text) > max(limit, 0) * max_token_chars(self.tokenizer):
+            raise PromptTooLong(len(text), limit)
         for m in messages:
             # Arguments render inside the template's own call markup, where no marker can stand in
             # for them: special text there would be encoded as control tokens, so it is refused.
@@ -146,7 +177,8 @@ class ChatRenderer:
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode_rendered(self.render_text(messages, add_generation_prompt=True), messages,
-                                    lambda marked: self.render_text(marked, add_generation_prompt=True))
+                                    lambda marked: self.render_text(marked, add_generation_prompt=True),
+                                    self.max_tokens)
 
     def assistant_message(self, history: list[dict[str, Any]], text: str, parsed: ParsedTurn,
                           turn_ids: list[int]) -> tuple[dict[str, Any], bool]:
@@ -182,9 +214,10 @@ class ChatRenderer:
         """
         current = self.decode(current_ids)
         full = self.render_text(history + new, add_generation_prompt=True)
+        limit = None if self.max_tokens is None else self.max_tokens - len(current_ids)
         if full.startswith(current):
             return self.encode_rendered(full[len(current):], new, lambda marked: self.render_text(
-                history + marked, add_generation_prompt=True)[len(current):]), False
+                history + marked, add_generation_prompt=True)[len(current):], limit), False
         base = self.render_text(_FALLBACK_BASE, add_generation_prompt=False)
         extended = self.render_text(_FALLBACK_BASE + new, add_generation_prompt=True)
         if not extended.startswith(base):
@@ -198,7 +231,7 @@ class ChatRenderer:
         end = ended if ended and ended in base else (self.tokenizer.eos_token or "")
         boundary = base[base.rfind(end) + len(end):] if end and end in base else ""
         return self.encode_rendered(boundary + extended[len(base):], new, lambda marked: boundary + self.render_text(
-            _FALLBACK_BASE + marked, add_generation_prompt=True)[len(base):]), True
+            _FALLBACK_BASE + marked, add_generation_prompt=True)[len(base):], limit), True
 
     def assistant_turn_ids(self, history: list[dict[str, Any]], message: dict[str, Any]) -> tuple[list[int], bool]:
         """Ids a policy would sample for a given assistant message (content, tool calls, end-of-turn

@@ -36,7 +36,7 @@ import torch
 from agentrl.config import RecipeConfig, SGLangConfig
 from agentrl.errors import ConfigError, Terminated
 from agentrl.hardware import choose_dtype
-from agentrl.models import resolve_model
+from agentrl.models import local_model_path
 from agentrl.rollout.engine import Engine
 from agentrl.types import Completion, SamplingParams
 
@@ -343,7 +343,7 @@ def build_sglang_engine(config: RecipeConfig) -> Engine:
         raise ConfigError("engine.name 'sglang': SGLang is not installed here (on GPUs: pip install "
                           "\"agentrl[sglang]\"; on CPU: the environment `make test-sglang` builds)")
     dtype = choose_dtype(config.model.dtype, config.engine.device).dtype
-    args = server_args(resolve_model(config.model.path), config.engine.device, dtype, config.engine.seed, s)
+    args = server_args(local_model_path(config.model.path), config.engine.device, dtype, config.engine.seed, s)
     if s.mode == "in_process" or s.url is None:  # a given server runs with its own arguments: checked at connect
         check_context(config, args)  # before the engine starts, as far as its arguments tell
     engine: SGLangEngine | Any

@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator
 
 import jinja2
 
-from agentrl.rollout.chat import ChatRenderer, SpecialTextError, TemplateError, schema_special_text, stop_token_ids
+from agentrl.rollout.chat import (ChatRenderer, PromptTooLong, SpecialTextError, TemplateError, schema_special_text,
+                                 stop_token_ids)
 from agentrl.rollout.engine import Engine
 from agentrl.serve.protocol import SESSION_HEADER, ChatRequest, RequestError, chat_messages
 from agentrl.serve.sessions import Session, SessionStore, commit_turn, plan_turn
@@ -62,11 +63,18 @@ class ServeSettings:
 
 
 @contextmanager
-def rendering_errors() -> Iterator[None]:
+def rendering_errors(session: Session | None, max_context_tokens: int) -> Iterator[None]:
     """A template that rejects the client's messages is the client's problem (400); one that cannot
-    continue a conversation token by token is the recipe's (500)."""
+    continue a conversation token by token is the recipe's (500). A conversation that is too long by
+    its characters alone is refused as one too long by its tokens is (`_sampling`)."""
     try:
         yield
+    except PromptTooLong as e:
+        if session is not None:
+            session.refused = "length"
+        raise RequestError(f"the conversation is more than {max_context_tokens - 1} tokens ({e.chars} characters "
+                           f"rendered), which leaves no room for a reply within max_context_tokens="
+                           f"{max_context_tokens}", code=REFUSAL_CODES["length"]) from None
     except jinja2.TemplateError as e:
         raise RequestError(f"the chat template cannot render these messages: {e}") from None
     except SpecialTextError as e:  # in the client's messages
@@ -100,6 +108,7 @@ class ChatService:
         # Agent episodes: the recipe's system prompt renders as the builtin loop renders it. Any
         # other system message is the client's text, kept as text.
         renderer.system_prompt = self.settings.system_prompt
+        renderer.max_tokens = self.settings.max_context_tokens - 1  # a prompt that leaves room for one token
         problem = schema_special_text(tools, renderer.special_texts)
         if problem:
             raise RequestError(f"tools: {problem}")
@@ -115,7 +124,7 @@ class ChatService:
                                "(ctx.openai_client() sends it; other clients take ctx.headers)",
                                code="session_required")
         if session_id is None:
-            with rendering_errors():
+            with rendering_errors(None, self.settings.max_context_tokens):
                 ids = renderer.prompt_ids(messages)
             completion = await self._generate(ids, self._sampling(request, len(ids), None))
             turn = self._interpret(renderer, messages, completion)
@@ -140,7 +149,7 @@ class ChatService:
                 session.refused = "max_turns"
                 raise RequestError(f"session '{session_id}' has used its {self.settings.max_turns} turns "
                                    f"(rollout.max_turns)", code=REFUSAL_CODES["max_turns"])
-            with rendering_errors():
+            with rendering_errors(session, self.settings.max_context_tokens):
                 plan = plan_turn(session, renderer, messages, tools)
             completion = await self._generate(plan.prompt_ids, self._sampling(request, len(plan.prompt_ids), session))
             turn = self._interpret(renderer, plan.history, completion)
