@@ -7,6 +7,7 @@ never re-tokenised after the fact.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +45,13 @@ class ToolCall:
         return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def derive_seed(seed: int, *keys: int | str) -> int:
+    """A seed for one part of a run (an episode, a turn) from the run's seed and the part's place
+    in it: the same on every machine and in every process (Python's hash of a string is not)."""
+    digest = hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: any torch.Generator takes it
+
+
 @dataclass
 class SamplingParams:
     """How the engine samples one completion. temperature 0 means greedy."""
@@ -52,6 +60,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting any of these (kept)
+    # The request's own random stream: its tokens then depend on its seed alone, not on which other
+    # requests shared its batches (which follows the timing of tools). None: the engine's stream.
+    seed: int | None = None
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one batched forward pass."""

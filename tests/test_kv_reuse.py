@@ -18,12 +18,13 @@ from agentrl.env.interaction import Turn
 from agentrl.rollout.chat import ChatRenderer, stop_token_ids
 from agentrl.rollout.collect import collect
 from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
-from agentrl.rollout.hf_engine import HFEngine
+from agentrl.rollout.hf_engine import DEFAULT_KV_CACHE_BYTES, HFEngine
 from agentrl.errors import ConfigError
 from agentrl.models import plain_attention_layers
 from agentrl.recipe import load_recipe
 from agentrl.rollout.run import load_policy
 from agentrl.rollout.kv_cache import MIN_SHARED_TOKENS, PrefixKVCache, split_point
+from agentrl.rollout.running_batch import Row
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from agentrl.trainer.sft import conversation_sample, sft_train
@@ -342,3 +343,77 @@ def test_the_rollout_returns_only_after_the_decode_thread_stopped(stopping_model
     assert traj.metrics["turns"] == 1
     assert not engine.serving
     assert engine.wait_idle(timeout_s=0)
+
+
+def test_a_prompt_over_the_whole_budget_is_computed_once(tiny_model):
+    """A prompt whose keys and values exceed kv_cache_bytes went through the model twice: its
+    prefix pass's result was not kept, so the row computed it all again when it joined."""
+    fed: list[int] = []
+    tiny_model.model.embed_tokens.register_forward_hook(lambda module, args, out: fed.append(args[0].numel()))
+    prompt = [1] + list(range(300, 700))  # 401 tokens: 2 layers x 2 heads x 16 x 4 bytes x 2 = 1 KB a token
+    outputs = {}
+    for budget in (0, 10_000, DEFAULT_KV_CACHE_BYTES):
+        engine = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=budget)
+        fed.clear()
+        outputs[budget] = engine.generate_batch([prompt], [SamplingParams(max_new_tokens=3, temperature=0.0)])[0]
+        assert sum(fed) == 401 + 2 and engine.stats["prefill_tokens"] == 401, (budget, fed)
+        assert len(engine.prefix_cache) == (budget == DEFAULT_KV_CACHE_BYTES)
+    assert outputs[10_000].token_ids == outputs[0].token_ids == outputs[DEFAULT_KV_CACHE_BYTES].token_ids
+
+
+def decode_with_joins(model, rows, joins: dict[int, Row]) -> dict[str, list[int]]:
+    """The engine's decode loop over `rows`, with `joins[k]` arriving as step k is planned, as a
+    request back from its tool a little earlier or later would."""
+    engine = HFEngine(model, pad_token_id=2, seed=0)
+    out: dict[str, list[int]] = {}
+    step = 0
+
+    def admit(room: int) -> list[Row]:
+        nonlocal step
+        step += 1
+        return [joins[step]] if step in joins else []
+
+    with torch.no_grad():
+        engine._decode(rows, lambda row: out.__setitem__(row.owner, row.ids), admit)
+    return out
+
+
+def test_a_seeded_request_samples_the_same_tokens_whoever_joins_its_batch_and_when(tiny_model):
+    """Every row used to draw from the engine's one generator in batch order, so a request's tokens
+    changed with the step at which another joined its batch, which follows the timing of tools: a
+    multi-turn rollout could not be reproduced, or resumed exactly, even with a fixed seed."""
+    a, b = [1, 504, 3459, 30, 2, 9690, 28, 30, 253], [1, 77, 88, 99, 2, 9690, 28]
+    sampling = lambda seed: SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed)  # noqa: E731
+    runs = {seeded: [decode_with_joins(tiny_model, [Row(a, sampling(11 if seeded else None), owner="a")],
+                                       {k: Row(b, sampling(12 if seeded else None), owner="b")}) for k in (3, 4, 5)]
+            for seeded in (True, False)}
+    assert len({tuple(r["a"]) for r in runs[False]}) > 1  # the shared stream: a's tokens follow b's arrival
+    assert runs[True][0] == runs[True][1] == runs[True][2]
+    assert decode_with_joins(tiny_model, [Row(a, sampling(11), owner="a")], {})["a"] == runs[True][0]["a"]
+    assert runs[True][0]["b"] != decode_with_joins(tiny_model, [Row(b, sampling(13), owner="b")], {})["b"]
+
+
+def test_seeded_multi_turn_episodes_are_the_same_whatever_their_concurrency(stopping_model, tokenizer):
+    """Three-turn episodes (a simulated user) sampled at temperature 1: with 16 episodes in flight
+    their turns share batches in one order, with 3 in another; with the same seed every episode
+    samples the same tokens either way. Another seed samples others, and each episode of a group
+    samples its own."""
+    tasks = arithmetic_tasks(4, seed=0)
+
+    def rollout(seed: int, concurrent: int):
+        engine = HFEngine(stopping_model, pad_token_id=tokenizer.pad_token_id, seed=0)
+        settings = EpisodeSettings(max_turns=3, max_new_tokens_per_turn=24, temperature=1.0)
+        runner = EpisodeRunner(engine, tokenizer, [calculator], parse_hermes, settings, interaction_factory=GoOn)
+        return asyncio.run(collect(runner, tasks, 4, max_concurrent=concurrent, seed=seed))
+
+    first = rollout(7, 16)
+    assert sum(t.metrics["turns"] for t in first) > 16  # most episodes run several turns
+    again = rollout(7, 3)
+    assert [t.token_ids for t in again] == [t.token_ids for t in first]
+    for a, b in zip(again, first):  # batched with other rows, the logits round differently
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+    other = rollout(8, 16)
+    assert sum(a.token_ids != b.token_ids for a, b in zip(first, other)) >= 12
+    for group in range(4):
+        members = first[4 * group:4 * group + 4]
+        assert len({tuple(t.token_ids) for t in members}) >= 3

@@ -17,30 +17,33 @@ from typing import Callable
 from agentrl.errors import RunFailed
 from agentrl.rollout.episode import EpisodeRunner
 from agentrl.tools.threads import run_with_daemon_threads
-from agentrl.types import Task, Trajectory
+from agentrl.types import Task, Trajectory, derive_seed
 
 
 async def collect(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_concurrent: int,
-                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-    """Trajectories for every task, `group_size` each, grouped by task in task order."""
+                  on_done: Callable[[Trajectory], None] | None = None, seed: int | None = None) -> list[Trajectory]:
+    """Trajectories for every task, `group_size` each, grouped by task in task order. With a `seed`,
+    episode i of that order samples with seed derive_seed(seed, i): the same tokens however the
+    episodes' turns interleave (on an engine that takes seeds; the transformers engine does)."""
     gate = asyncio.Semaphore(max_concurrent)
 
-    async def one(task: Task) -> Trajectory:
+    async def one(task: Task, i: int) -> Trajectory:
         async with gate:
-            traj = await runner.run(task, group_id=task.id)
+            traj = await runner.run(task, group_id=task.id, seed=None if seed is None else derive_seed(seed, i))
         if on_done:
             on_done(traj)
         return traj
 
-    return list(await asyncio.gather(*(one(t) for t in tasks for _ in range(group_size))))
+    return list(await asyncio.gather(*(one(t, i * group_size + k) for i, t in enumerate(tasks)
+                                       for k in range(group_size))))
 
 
 def run_episodes(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_concurrent: int,
-                 on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+                 on_done: Callable[[Trajectory], None] | None = None, seed: int | None = None) -> list[Trajectory]:
     """`collect` from synchronous code (the CLI commands and the training driver). Returns once the
     engine's decode thread, if it has one, has stopped too."""
     try:
-        return run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent, on_done))
+        return run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent, on_done, seed))
     finally:  # also after a Ctrl-C: the thread then stops within a step, its callers gone
         wait_idle = getattr(runner.engine, "wait_idle", None)
         if wait_idle is not None:
@@ -60,7 +63,7 @@ def check_failures(what: str, trajectories: list[Trajectory], max_fraction: floa
 
 
 def run_streamed(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_concurrent: int,
-                 out: Path, stale: tuple[Path, ...] = ()) -> list[Trajectory]:
+                 out: Path, stale: tuple[Path, ...] = (), seed: int | None = None) -> list[Trajectory]:
     """`run_episodes`, each trajectory appended to `out` as it finishes, so that a crash or a
     Ctrl-C keeps the finished ones (said on stderr); then `out` is rewritten in task order. `stale`
     files (an earlier run's summary) are removed first: they would pass for this run's."""
@@ -76,7 +79,7 @@ def run_streamed(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_
             written += 1
 
         try:
-            trajectories = run_episodes(runner, tasks, group_size, max_concurrent, on_done=keep)
+            trajectories = run_episodes(runner, tasks, group_size, max_concurrent, on_done=keep, seed=seed)
         except BaseException:
             print(f"agentrl: stopped early: {written} finished episode(s) of {len(tasks) * group_size} "
                   f"kept in {out}", file=sys.stderr)

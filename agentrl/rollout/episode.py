@@ -32,7 +32,7 @@ from agentrl.tools.base import REWARD_LIMIT, Tool, finite_number
 from agentrl.tools.loader import close_tools
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import CallTimeout, PluginError, call_plugin, failure_text, warn_if_blocking
-from agentrl.types import SamplingParams, Task, Trajectory
+from agentrl.types import SamplingParams, Task, Trajectory, derive_seed
 from agentrl.yaml_files import one_line
 
 T = TypeVar("T")
@@ -78,12 +78,14 @@ class EpisodeRunner:
         engine is not the runner's: whoever built it closes it (run.close_runner)."""
         close_tools(self.tools)
 
-    async def run(self, task: Task, group_id: str) -> Trajectory:
-        """One episode; any unexpected failure ends it with finish='error', never raises."""
+    async def run(self, task: Task, group_id: str, seed: int | None = None) -> Trajectory:
+        """One episode; any unexpected failure ends it with finish='error', never raises. With a
+        `seed`, turn t samples with seed derive_seed(seed, t), so the episode's tokens do not depend on
+        the other episodes' timing (which turns shared a batch with which)."""
         traj = Trajectory(task_id=task.id, group_id=group_id, weight_version=self.engine.weight_version)
         started = time.perf_counter()
         try:
-            await self._run(task, traj)
+            await self._run(task, traj, seed)
         except Exception as e:
             traj.finish = "error"
             traj.metrics["error"] = 1.0
@@ -92,7 +94,7 @@ class EpisodeRunner:
         traj.metrics["generated_tokens"] = float(traj.num_generated)
         return traj
 
-    async def _run(self, task: Task, traj: Trajectory) -> None:
+    async def _run(self, task: Task, traj: Trajectory, seed: int | None) -> None:
         s = self.settings
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
                       lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
@@ -113,7 +115,8 @@ class EpisodeRunner:
                 if budget <= 0:
                     traj.finish = "length"
                     break
-                sampling = SamplingParams(budget, s.temperature, s.top_p, self.stop_ids)
+                sampling = SamplingParams(budget, s.temperature, s.top_p, self.stop_ids,
+                                          None if seed is None else derive_seed(seed, turns))
                 completion = await self.engine.generate(traj.token_ids, sampling)
                 traj.weight_version = min(traj.weight_version, completion.weight_version)
                 traj.append(completion.token_ids, trainable=True, logprobs=completion.logprobs)

@@ -207,7 +207,8 @@ class HFEngine:
 
     def _sample(self, rows: list[Row], logits_BV: torch.Tensor) -> torch.Tensor:
         sampling = rows[0].sampling
-        tokens_B, logp_B = sample_tokens(logits_BV, sampling.temperature, sampling.top_p, self.generator)
+        tokens_B, logp_B = sample_tokens(logits_BV, sampling.temperature, sampling.top_p, self.generator,
+                                         [row.generator for row in rows])
         for row, token, logp in zip(rows, tokens_B.tolist(), logp_B.tolist()):
             if row.sampling.max_new_tokens <= 0:
                 row.done = True

@@ -194,8 +194,9 @@ def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list,
     the prompt's first message (`split_point`), whose keys and values are kept as a shared entry:
     the message is computed the same way whether this row or an earlier one with the same message
     computed it, and only once. A first message no other prompt shares costs one more pass and an
-    entry nobody reuses. Returns the tokens of the rows' hits that these passes computed (work
-    whose result did not fit the budget is not counted: the row computes it again when it joins)."""
+    entry nobody reuses. A prefix too large for the whole budget is not kept, and its row alone
+    reuses what its pass computed (it used to compute it all again when it joined). Returns the
+    tokens of the rows' hits that these passes computed."""
     for row in rows:
         row.hit = cache.reusable(row.prompt)
     if cache.budget_bytes == 0:
@@ -213,10 +214,12 @@ def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list,
             if split and first is None:
                 past = prefix_pass(model, prefix[:split], None)
                 cache.store(prefix[:split], past, shared=True)
-            cache.store(prefix, prefix_pass(model, prefix[split:], past))
-            row.hit = cache.reusable(row.prompt)  # nothing when over the budget
-            if row.hit.length:
-                computed += len(prefix) - (split if first is not None else 0)
+            kv = prefix_pass(model, prefix[split:], past)
+            cache.store(prefix, kv)
+            row.hit = cache.reusable(row.prompt)
+            if not row.hit.length:  # over the whole budget, so not kept
+                row.hit = Hit(CacheEntry(torch.tensor(prefix), kv, 0), length=len(prefix))
+            computed += len(prefix) - (split if first is not None else 0)
     return computed
 
 

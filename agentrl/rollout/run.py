@@ -231,7 +231,7 @@ def run_rollout(config: RecipeConfig) -> dict[str, float]:
         write_run_config(config)
         started = time.perf_counter()
         trajectories = run_streamed(runner, tasks, config.rollout.group_size, config.rollout.max_concurrent_episodes,
-                                    out, stale=(summary_path,))
+                                    out, stale=(summary_path,), seed=config.engine.seed)
     finally:
         close_runner(runner)
     summary = summarize(trajectories, time.perf_counter() - started)
@@ -297,7 +297,7 @@ def run_eval(config: RecipeConfig) -> dict[str, float]:
         write_run_config(eval_config)
         started = time.perf_counter()
         trajectories = run_streamed(runner, tasks, 1, config.rollout.max_concurrent_episodes, out,
-                                    stale=(out.with_suffix(".json"),))
+                                    stale=(out.with_suffix(".json"),), seed=eval_config.engine.seed)
     finally:
         close_runner(runner)
     summary = summarize(trajectories, time.perf_counter() - started)

@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicLayer
 
 from agentrl.rollout.kv_cache import KV, Hit, kv_layout
 from agentrl.rollout.packed_attention import PackedPlan, ScatterLayer
+from agentrl.rollout.sampling import request_generator
 from agentrl.types import SamplingParams
 
 ROOM = 128  # spare columns per reallocation: one copy of the cache per ROOM decode steps
@@ -54,6 +55,10 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     finish: str = "length"
     done: bool = False
+    generator: torch.Generator | None = None  # a seeded request's own random stream
+
+    def __post_init__(self) -> None:
+        self.generator = request_generator(self.sampling.seed)
 
     def take(self, token: int, logprob: float) -> None:
         self.ids.append(token)

@@ -6,16 +6,37 @@ is the one place its sampling settings (temperature, top-p) take effect.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
-def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def request_generator(seed: int | None) -> torch.Generator | None:
+    """The random stream of a request with a seed (SamplingParams.seed), on the CPU: a draw per
+    token is a few microseconds there, and it makes the stream the same on every device."""
+    return None if seed is None else torch.Generator().manual_seed(seed)
+
+
+def uniform_draws(n: int, generator: torch.Generator | None, row_generators: Sequence[torch.Generator | None],
+                  device: torch.device) -> torch.Tensor:
+    """One uniform number per row, [n, 1]: from the row's own stream where it has one, so a seeded
+    request samples the same tokens whatever else shares its batch; the other rows draw from the
+    shared `generator`, in row order."""
+    if not any(g is not None for g in row_generators):
+        return torch.rand((n, 1), generator=generator, dtype=torch.float64, device=device)
+    own = [None if g is None else torch.rand(1, generator=g, dtype=torch.float64).item() for g in row_generators]
+    shared = iter(torch.rand(own.count(None), generator=generator, dtype=torch.float64, device=device).tolist())
+    return torch.tensor([[next(shared) if x is None else x] for x in own], dtype=torch.float64, device=device)
+
+
+def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+                  row_generators: Sequence[torch.Generator | None] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled ids and their logprobs under softmax(logits / temperature), before top-p.
 
     Temperature 0 is greedy, with logprobs of the unscaled distribution. The logprob reported is
     of the distribution the trainer recomputes, so top-p truncation is not reflected in it.
-    Sampling inverts each row's cumulative distribution at one uniform draw: `torch.multinomial`
+    Sampling inverts each row's cumulative distribution at one uniform draw (`uniform_draws`: from
+    `row_generators[i]` where given, else `generator`): `torch.multinomial`
     draws an exponential variate per vocabulary entry, 31 ms of a 160 ms decode step for 32 rows
     of SmolLM2's 49k-token vocabulary, against about 2 ms for a cumulative sum and a search.
     """
@@ -31,7 +52,7 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float, top_p: float,
         if top_p < 1.0:
             probs_BV, order_BV = nucleus(probs_BV, top_p)
         cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
-        draw_B1 = torch.rand((len(cdf_BV), 1), generator=generator, dtype=torch.float64, device=cdf_BV.device)
+        draw_B1 = uniform_draws(len(cdf_BV), generator, row_generators, cdf_BV.device)
         # The first entry whose cumulative probability exceeds the draw: never one of probability 0.
         ids_B = torch.searchsorted(cdf_BV, draw_B1 * cdf_BV[:, -1:], right=True).squeeze(1)
         ids_B = ids_B.clamp(max=cdf_BV.shape[1] - 1)  # a draw that rounds onto the total

@@ -134,9 +134,11 @@ def _check_prompt_limit(config: RecipeConfig, limit: int, why: str) -> None:
 
 
 def sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
-    """SGLang sampling_params; temperature 0 is greedy in SGLang too."""
+    """SGLang sampling_params; temperature 0 is greedy in SGLang too. SGLang samples with a request's
+    seed only when it runs with enable_deterministic_inference (engine.sglang.extra_args)."""
+    seed = {} if sampling.seed is None else {"sampling_seed": sampling.seed}
     return {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids)}
+            "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids), **seed}
 
 
 def to_completion(out: dict[str, Any], version: int) -> Completion:

@@ -24,11 +24,16 @@ class RolloutWorker:
         self.config = config.model_copy(update={"engine": engine_config})
         self.runner, _ = build_runner(self.config, with_tasks=False)
         self.engine = self.runner.engine
+        # Each collection's episodes sample with seeds drawn from this stream (collect.py): a run
+        # samples the same tokens however its episodes' turns interleave, and a checkpoint keeps
+        # the stream's state, so a resumed run samples what the uninterrupted one would have.
+        self.seeds = torch.Generator().manual_seed(engine_config.seed)
 
     def collect(self, tasks: list[Task]) -> list[Trajectory]:
         """`rollout.group_size` episodes per task, grouped by task in task order."""
         r = self.config.rollout
-        return run_episodes(self.runner, tasks, r.group_size, r.max_concurrent_episodes)
+        seed = int(torch.randint(2**62, (1,), generator=self.seeds))
+        return run_episodes(self.runner, tasks, r.group_size, r.max_concurrent_episodes, seed=seed)
 
     def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """One bucket of new weights, copied in place; generation waits until `finish_weights`."""
@@ -45,14 +50,21 @@ class RolloutWorker:
         """Tags from {"weights", "kv_cache"}; None takes back both."""
         self.engine.resume_memory(tags)
 
-    def rng_state(self) -> torch.Tensor | None:
-        """The engine's sampling generator state (None for engines that keep their own)."""
+    def rng_state(self) -> dict[str, torch.Tensor | None]:
+        """The episodes' seed stream and the engine's own sampling stream (None for engines that keep
+        their own), which requests without a seed (an agent's other clients) draw from."""
         generator = getattr(self.engine, "generator", None)
-        return generator.get_state() if generator is not None else None
+        return {"episodes": self.seeds.get_state(), "engine": generator.get_state() if generator is not None else None}
 
-    def set_rng_state(self, state: torch.Tensor | None) -> None:
-        if state is not None:
-            self.engine.generator.set_state(state)
+    def set_rng_state(self, state: dict[str, torch.Tensor | None] | torch.Tensor | None) -> None:
+        if isinstance(state, torch.Tensor):  # a checkpoint written before episodes had seeds
+            state = {"episodes": None, "engine": state}
+        if state is None:
+            return
+        if state["episodes"] is not None:
+            self.seeds.set_state(state["episodes"])
+        if state["engine"] is not None:
+            self.engine.generator.set_state(state["engine"])
 
     def close(self) -> None:
         """The tools' processes and connections, then the engine: a launched SGLang server stops and

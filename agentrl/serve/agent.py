@@ -174,11 +174,12 @@ class AgentRunner:
             self._server = None
         close_tools(self.tools)
 
-    async def run(self, task: Task, group_id: str) -> Trajectory:
-        """One episode; any unexpected failure ends it with finish='error', never raises."""
+    async def run(self, task: Task, group_id: str, seed: int | None = None) -> Trajectory:
+        """One episode; any unexpected failure ends it with finish='error', never raises. With a
+        `seed`, the session's turn t samples with seed derive_seed(seed, t), as the builtin loop's do."""
         started = time.perf_counter()
         try:
-            traj = await self._run(task, group_id)
+            traj = await self._run(task, group_id, seed)
         except Exception as e:
             traj = Trajectory(task_id=task.id, group_id=group_id, weight_version=self.engine.weight_version,
                               finish="error", error=failure_text(e))
@@ -188,10 +189,10 @@ class AgentRunner:
         traj.metrics["generated_tokens"] = float(traj.num_generated)
         return traj
 
-    async def _open(self, session_id: str) -> None:
-        self.service.sessions.open(session_id)  # on the server's loop, where sessions live
+    async def _open(self, session_id: str, seed: int | None) -> None:
+        self.service.sessions.open(session_id).seed = seed  # on the server's loop, where sessions live
 
-    async def _run(self, task: Task, group_id: str) -> Trajectory:
+    async def _run(self, task: Task, group_id: str, seed: int | None) -> Trajectory:
         s, server, session_id = self.settings, self.server, uuid.uuid4().hex
         env = ToolEnv(self.tools, s.tool_limits or ToolLimits(),
                       lambda text: self.renderer.truncate(text, s.max_tool_output_tokens))
@@ -199,7 +200,7 @@ class AgentRunner:
                            s.system_prompt, env, self.service.parser)
         failure: Exception | None = None
         try:  # from here on, whatever happens (a cancellation while the tools start too), they are released
-            await asyncio.wrap_future(server.submit(self._open(session_id)))
+            await asyncio.wrap_future(server.submit(self._open(session_id, seed)))
             await env.start(session_id, task)
             # call_plugin: a sys.exit() in it fails this episode, not the run; so does a hang
             await call_plugin(self.agent(ctx, task), s.agent_timeout_s, f"the agent function "

@@ -40,7 +40,7 @@ from agentrl.rollout.engine import Engine
 from agentrl.serve.protocol import SESSION_HEADER, ChatRequest, RequestError, chat_messages
 from agentrl.serve.sessions import Session, SessionStore, commit_turn, plan_turn
 from agentrl.tools.parsers import ParsedTurn
-from agentrl.types import Completion, SamplingParams
+from agentrl.types import Completion, SamplingParams, derive_seed
 
 
 # The error code of a request refused at a limit, by the finish it gives an agent episode.
@@ -174,7 +174,8 @@ class ChatService:
             budget = asked or s.max_new_tokens
             temperature = s.temperature if request.temperature is None else request.temperature
             top_p = s.top_p if request.top_p is None else request.top_p
-        return SamplingParams(min(budget, room), temperature, top_p, self.stop_ids)
+        seed = None if session is None or session.seed is None else derive_seed(session.seed, session.turns)
+        return SamplingParams(min(budget, room), temperature, top_p, self.stop_ids, seed)
 
     async def _generate(self, ids: list[int], sampling: SamplingParams) -> Completion:
         try:

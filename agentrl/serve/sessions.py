@@ -75,6 +75,7 @@ class Session:
     max_segments: int = 8  # segments whose records are kept; older ones are forgotten
     forgotten_segments: int = 0
     forgotten_generated_tokens: int = 0
+    seed: int | None = None  # an agent episode's: its turns sample with seeds derived from it
 
     def metrics(self) -> dict[str, float]:
         last = self.segments[-1] if self.segments else None
