@@ -59,10 +59,12 @@ class ScriptedEngine:
     def __init__(self, tokenizer, turns: list[str], stop: bool = True):
         self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([2] if stop else []) for t in turns]
         self.prompts: list[list[int]] = []
+        self.seeds: list[int | None] = []  # each request's SamplingParams.seed
         self.weight_version = 0
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
         self.prompts.append(list(token_ids))
+        self.seeds.append(sampling.seed)
         ids = self.turns[len(self.prompts) - 1][: sampling.max_new_tokens]
         finish = "stop" if ids and ids[-1] in sampling.stop_token_ids else "length"
         return Completion(ids, [-0.01 * (i + 1) for i in range(len(ids))], finish, self.weight_version)

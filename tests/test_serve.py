@@ -35,7 +35,7 @@ from agentrl.serve.protocol import RequestError, parse_request
 from agentrl.serve.service import ChatService, ServeSettings
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
-from agentrl.types import Completion, Task, Trajectory
+from agentrl.types import Completion, Task, Trajectory, derive_seed
 from tests.conftest import ScriptedEngine, make_tiny_llama
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}\n</tool_call>'
@@ -415,6 +415,24 @@ def test_an_agent_that_never_finishes_fails_its_episode_within_the_timeout(token
     assert traj.error == "TimeoutError: the agent function did not finish within 0.3 s (rollout.agent_timeout_s)"
     assert [m["role"] for m in traj.messages] == ["user", "assistant"] and traj.messages[1]["content"] == ANSWER
     assert traj.metrics["turns"] == 1 and sum(traj.loss_mask) == len(engine.turns[0])
+
+
+def test_an_agent_episode_samples_with_the_seeds_the_builtin_loop_uses(tokenizer):
+    """With an episode seed, turn t of an agent's session samples with the seed the builtin loop's
+    turn t gets, so an agent's episodes repeat as the builtin loop's do; without one, no seed."""
+    builtin_engine = ScriptedEngine(tokenizer, [CALL, ANSWER])
+    builtin = EpisodeRunner(builtin_engine, tokenizer, [calculator], parse_hermes, EpisodeSettings(),
+                            reward_fn=gsm8k_reward)
+    assert asyncio.run(builtin.run(TASK, "g", seed=5)).reward == 1.0
+    engines = [ScriptedEngine(tokenizer, [CALL, ANSWER]) for _ in range(2)]
+    for engine, seed in zip(engines, (5, None)):
+        runner = agent_runner(calculator_agent, engine, tokenizer)
+        try:
+            assert asyncio.run(runner.run(TASK, "g", seed=seed)).reward == 1.0
+        finally:
+            runner.close()
+    assert engines[0].seeds == builtin_engine.seeds == [derive_seed(5, 0), derive_seed(5, 1)]
+    assert engines[1].seeds == [None, None]
 
 
 def test_a_prompt_over_the_context_limit_fails_like_the_builtin_loop(tokenizer):
