@@ -64,7 +64,9 @@ class ValueModel(torch.nn.Module):
                        staging / "value_head.pt")
 
     def forward(self, batch: PaddedBatch) -> torch.Tensor:
-        hidden_BTH = self.decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT).last_hidden_state
+        # use_cache=False: nothing decodes from here, and a decoder would build a key/value cache per call
+        hidden_BTH = self.decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT,
+                                  use_cache=False).last_hidden_state
         values_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.float, device=hidden_BTH.device)
         values_BT[:, 1:] = self.head(hidden_BTH[:, :-1]).squeeze(-1).float()
         return values_BT * batch.mask_BT
@@ -105,7 +107,7 @@ class CriticWorker:
                  micro_batch_tokens: int = 4096, bf16_autocast: bool = False, seed: int = 0,
                  ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None):
         self.ranks = ranks
-        disable_model_dropout(model)
+        disable_model_dropout(model, ranks.rank)
         if ranks.distributed:
             shard_model(model, param_dtype)
         self.model = model.train()
@@ -142,7 +144,11 @@ class CriticWorker:
         for mini in mini_batch_schedule(self.rng, len(sequences), self.ppo_epochs, self.mini_batches):
             passes += 1
             total = max(sum(sum(masks[i][1:]) for i in mini), 1)
-            plan = self.ranks.micro_batch_plan(mini, sequences, masks, self.micro_batch_tokens)
+            # Rows without a trainable token weigh nothing: left out, as the policy does, so that a
+            # mini-batch of only such rows leaves every gradient None and AdamW moves no weight (a
+            # zero gradient would still step on the momentum and the weight decay).
+            plan = self.ranks.micro_batch_plan([i for i in mini if any(masks[i][1:])], sequences, masks,
+                                               self.micro_batch_tokens)
             self.optimizer.zero_grad(set_to_none=True)
             for n, (idx, batch) in enumerate(padded_micro_batches(plan, sequences, masks, self.pad_id, self.device)):
                 if self.ranks.distributed:

@@ -20,13 +20,16 @@ groups in it.
 from __future__ import annotations
 
 import random
+import sys
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.nn.modules.dropout import _DropoutNd
 from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig, PreTrainedModel
 
 from agentrl.errors import ConfigError
 from agentrl.trainer.packing import PackedInputs, PackedRow, packed_inputs
@@ -67,19 +70,81 @@ def pad_values(rows: list[list[float]], width: int, device: torch.device | str) 
     return out.to(device)
 
 
-def disable_model_dropout(model: torch.nn.Module) -> None:
-    """The checkpoint's own dropout off (nn.Dropout modules, transformers' `attention_dropout`).
+def disable_model_dropout(model: torch.nn.Module, rank: int = 0) -> None:
+    """The checkpoint's own train-mode randomness off: nn.Dropout modules, and every float setting
+    named for dropout (`dropout`, `attn_pdrop`, `layerdrop`, `drop_path_rate`, ...) or for an MoE
+    router's jitter (`router_jitter_noise`, ...) on each module and on each config, which many
+    architectures (OPT, GPTBigCode, Starcoder2, Bloom, ...) apply functionally in train mode.
     PPO's ratio compares the training pass with the old logprobs, taken without dropout like the
     engine's samples, and its value clip the critic's training pass with the old values, taken in
     eval mode; a dropout mask in the training pass moves either by chance and clips tokens at
-    unchanged weights. LoRA's adapter dropout is a recipe setting (model.lora.dropout) and stays."""
+    unchanged weights. LoRA's adapter dropout is a recipe setting (model.lora.dropout) and stays.
+    A warning (on `rank` 0) names a model whose training passes still differ (see
+    `check_train_mode_determinism`)."""
+    configs: list[PretrainedConfig] = []
     for name, module in model.named_modules():
-        if ".lora_dropout." in f".{name}.":
+        if _is_lora_dropout(name):
             continue
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, _DropoutNd):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+        _zero_random_settings(vars(module))
+        if isinstance(getattr(module, "config", None), PretrainedConfig):
+            configs.append(module.config)
+    seen: set[int] = set()
+    while configs:  # a forward that reads its config reads 0 too; sub-configs (text_config, ...) as well
+        config = configs.pop()
+        if id(config) not in seen:
+            seen.add(id(config))
+            _zero_random_settings(vars(config))
+            configs += [sub for sub in vars(config).values() if isinstance(sub, PretrainedConfig)]
+    check_train_mode_determinism(model, rank)
+
+
+def _is_lora_dropout(name: str) -> bool:
+    return ".lora_dropout." in f".{name}."
+
+
+def _zero_random_settings(attributes: dict[str, Any]) -> None:
+    """Floats named for dropout or router jitter set to 0.0 (a bool or an int 0 is left alone)."""
+    for key, value in list(attributes.items()):
+        lowered = key.lower()
+        if type(value) is float and ("drop" in lowered or "jitter" in lowered) and not lowered.startswith("lora_"):
+            attributes[key] = 0.0
+
+
+def check_train_mode_determinism(model: torch.nn.Module, rank: int = 0) -> bool:
+    """Whether two train-mode forwards of a few tokens give the same output (LoRA's dropout, which
+    is meant to be on, held off for the check); otherwise one warning on `rank` 0 naming the model
+    type: some randomness that disable_model_dropout does not know of is on in training passes.
+    A warning, not an error: a GPU kernel may be non-deterministic on its own. Cheap: 8 tokens, no
+    gradients, the random state left as it was."""
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if inner is None or any(p.device.type == "meta" for p in inner.parameters()):
+        return True
+    vocab = getattr(inner.config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        return True
+    device = next(inner.parameters()).device
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    ids = (torch.arange(8, device=device) * 7 + 3).remainder(vocab).unsqueeze(0)
+    modes = {module: module.training for module in model.modules()}
+    model.train()
+    for name, module in model.named_modules():
+        if _is_lora_dropout(name):
+            module.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            first, second = (inner(input_ids=ids, use_cache=False)[0] for _ in range(2))
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    same = torch.equal(first, second)
+    if not same and rank == 0:
+        print(f"agentrl: warning: two training-mode forward passes of the same tokens through this "
+              f"{inner.config.model_type!r} model differ (largest gap {(first - second).abs().max().item():.3g}): "
+              "some dropout or other randomness is still on in training passes, so PPO/GRPO importance ratios "
+              "(and the critic's value clip) will be noisy at unchanged weights", file=sys.stderr)
+    return same
 
 
 @contextmanager

@@ -87,7 +87,7 @@ class PolicyWorker:
                  entropy_coef: float = 0.0, bf16_autocast: bool = False, seed: int = 0, ranks: Ranks = Ranks(),
                  param_dtype: torch.dtype | None = None):
         self.ranks = ranks
-        disable_model_dropout(model)
+        disable_model_dropout(model, ranks.rank)
         self.pack_cost = enable_packing(model)  # before sharding: it counts parameters
         if ranks.distributed:  # before the optimizer, which must hold the shards
             shard_model(model, param_dtype, forward_methods=(attach_token_logprobs(model),))
