@@ -66,16 +66,20 @@ def local_model_path(name_or_path: str) -> str:
     snapshot directory: the files `local_first` loads for the trainer. For a process that fetches a
     hub id itself (SGLang): without a network it would wait out the hub's retries, and with one it
     could load a newer revision than the trainer's, so the engine's weights would not be the
-    policy's. A hub id that is not cached is returned as it is, for that process to download."""
+    policy's. A hub id that is not cached, or whose snapshot holds no weights yet (loading the
+    tokenizer caches only its own files and config.json), is returned as it is, for that process
+    to download."""
     path = resolve_model(name_or_path)
     if not hub_candidate(path):
         return path
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(path, local_files_only=True)
+        snapshot = Path(snapshot_download(path, local_files_only=True))
     except (OSError, ValueError):  # not in the cache (LocalEntryNotFoundError), or not a repo id
         return path
+    weights = any(next(snapshot.glob(pattern), None) is not None for pattern in WEIGHT_FILES)
+    return str(snapshot) if weights else path
 
 
 def provision_builtin(name: str) -> Path:
@@ -188,6 +192,7 @@ def missing_local_path(name: str) -> Path | None:
     return next((p for p in path.parents if p != Path(".") and p.is_dir()), None)
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 

@@ -64,6 +64,26 @@ def test_two_training_passes_are_the_same_whatever_the_architecture_calls_its_dr
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_jitter_setting_that_shapes_eval_passes_too_is_kept():
+    """PhiMoE routes by router_jitter_noise (0.01 in Phi-3.5-MoE) in eval mode as well: zeroed, the
+    policy would be another model than the one the engine and the reference run."""
+    config = transformers.PhimoeConfig(hidden_size=64, intermediate_size=64, num_key_value_heads=2,
+                                       num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5,
+                                       input_jitter_noise=0.0, **SMALL)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ids = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    disable_model_dropout(model)
+    assert model.config.router_jitter_noise == 0.5
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, before)
+    mixtral = build("mixtral")  # whose jitter is noise in training passes only: zeroed
+    disable_model_dropout(mixtral)
+    assert mixtral.config.router_jitter_noise == 0.0
+
+
 def test_an_opt_policy_at_unchanged_weights_neither_clips_nor_drifts():
     """Old logprobs in eval mode, the update's pass in train mode: with OPT's own dropout left on,
     about half the tokens were clipped at lr 1e-12."""

@@ -359,6 +359,12 @@ def test_a_prompt_over_the_whole_budget_is_computed_once(tiny_model):
         assert sum(fed) == 401 + 2 and engine.stats["prefill_tokens"] == 401, (budget, fed)
         assert len(engine.prefix_cache) == (budget == DEFAULT_KV_CACHE_BYTES)
     assert outputs[10_000].token_ids == outputs[0].token_ids == outputs[DEFAULT_KV_CACHE_BYTES].token_ids
+    # Once copied into the batch, what the row reused is not held by it: a second copy of a prompt
+    # larger than the whole budget, counted nowhere, until the row finished.
+    finished: list[Row] = []
+    with torch.no_grad():
+        HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=10_000)._decode([Row(prompt, greedy(3))], finished.append)
+    assert finished[0].hit.length == 400 and finished[0].hit.entry is None
 
 
 def decode_with_joins(model, rows, joins: dict[int, Row]) -> dict[str, list[int]]:

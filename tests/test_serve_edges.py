@@ -8,6 +8,7 @@ As in test_serve.py, everything is real (tokenizer, template, parser, tools, uvi
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import openai
@@ -372,7 +373,7 @@ def test_megabytes_of_conversation_are_refused_by_their_length_before_they_are_e
         assert refused.value.message == (f"the conversation is more than 299 tokens ({rendered} characters rendered), "
                                          "which leaves no room for a reply within max_context_tokens=300")
     assert service.sessions.get("s").refused == "length"
-    assert encoded == [] and engine.prompts == []
+    assert encoded == [299 * max_token_chars(tokenizer)] * 2 and engine.prompts == []  # its head alone
 
     messages = TASK.messages()
     reply = asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "t"))["choices"][0]
@@ -381,9 +382,26 @@ def test_megabytes_of_conversation_are_refused_by_their_length_before_they_are_e
     encoded.clear()
     with pytest.raises(RequestError, match=r"^the conversation is more than 299 tokens \(2000\d\d\d characters"):
         asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "t"))
-    assert service.sessions.get("t").refused == "length" and max(encoded, default=0) < 1000
+    assert service.sessions.get("t").refused == "length" and max(encoded) < 299 * max_token_chars(tokenizer)
     # Under the bound, the tokens decide, as before: 300 tokens' worth of tool output is refused by its count.
     messages[-1]["content"] = "word " * 300
     with pytest.raises(RequestError, match=r"^the conversation is \d+ tokens, which leaves no room"):
         asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, "u"))
     assert max(encoded) > 1000
+
+
+def test_text_a_token_takes_in_beyond_its_own_characters_is_counted_not_refused(tokenizer):
+    """An added token that strips the whitespace after it stands for any number of characters: the
+    bound by the longest token would refuse a rendering of 3 tokens. Its head is encoded to check."""
+    from transformers import AddedToken
+
+    from agentrl.rollout.chat import ChatRenderer, PromptTooLong
+
+    stripping = copy.deepcopy(tokenizer)
+    stripping.add_special_tokens({"additional_special_tokens": [AddedToken("<|user|>", rstrip=True, special=True)]})
+    renderer = ChatRenderer(stripping, [])
+    text = "<|user|>" + " " * 100_000 + "hi"
+    ids = renderer.encode_rendered(text, [], lambda marked: text, limit=10)
+    assert ids == renderer.encode(text) and len(ids) <= 3
+    with pytest.raises(PromptTooLong):
+        renderer.encode_rendered(" hi" * 50_000, [], lambda marked: "", limit=10)

@@ -146,7 +146,15 @@ def test_a_cached_hub_id_reaches_sglang_as_the_snapshot_the_trainer_loads(tiny_m
     monkeypatch.chdir(tmp_path)  # no local fake/ directory
     build_engine(sglang_recipe("fake/tiny", "rollout.max_context_tokens=1024"), pad_token_id=2)
     build_engine(sglang_recipe("nobody/not-cached", "rollout.max_context_tokens=1024"), pad_token_id=2)
-    assert [args["model_path"] for args in in_process.started] == [str(snapshot), "nobody/not-cached"]
+    # Loading the tokenizer caches its files and config.json only: SGLang still has the weights to fetch.
+    partial = tmp_path / "hub" / "models--fake--partial" / "snapshots" / snapshot.name
+    partial.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(snapshot / name, partial / name)
+    (partial.parents[1] / "refs").mkdir()
+    (partial.parents[1] / "refs" / "main").write_text(snapshot.name)
+    build_engine(sglang_recipe("fake/partial", "rollout.max_context_tokens=1024"), pad_token_id=2)
+    assert [args["model_path"] for args in in_process.started] == [str(snapshot), "nobody/not-cached", "fake/partial"]
 
 
 def test_a_given_server_is_held_to_the_limit_it_reports(tiny_model_dir, server, monkeypatch):

@@ -138,9 +138,9 @@ class ChatRenderer:
         the template's own tokens first (a prompt that is just `<|im_start|>`).
 
         With a `limit`, a text too long to be `limit` tokens or fewer, by its length in characters,
-        raises PromptTooLong before any encoding."""
-        if limit is not None and len(text) > max(limit, 0) * max_token_chars(self.tokenizer):
-            raise PromptTooLong(len(text), limit)
+        raises PromptTooLong having encoded only its first `limit` tokens' worth of characters."""
+        if limit is not None:
+            self._check_length(text, limit)
         for m in messages:
             # Arguments render inside the template's own call markup, where no marker can stand in
             # for them: special text there would be encoded as control tokens, so it is refused.
@@ -174,6 +174,15 @@ class ChatRenderer:
         for i, piece in enumerate(pieces):
             ids += self.encode_text(literals[i // 2]) if i % 2 else self.encode(piece)
         return ids
+
+    def _check_length(self, text: str, limit: int) -> None:
+        """PromptTooLong for a text longer than `limit` tokens of the longest token's characters
+        whose first such characters alone are over twice `limit` tokens. The second test is for
+        tokenizers where a token takes in more than its own characters (an added token that strips
+        the whitespace after it): text within its bound by the first is encoded whole instead."""
+        chars = max(limit, 0) * max_token_chars(self.tokenizer)
+        if len(text) > chars and len(self.encode(text[:max(chars, 1)])) > 2 * limit:
+            raise PromptTooLong(len(text), limit)
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode_rendered(self.render_text(messages, add_generation_prompt=True), messages,

@@ -180,6 +180,9 @@ class RunningBatch:
                 k_LHTD, v_LHTD = row.hit.entry.kv
                 self.keys[:, n + j, :, first + width_c - c:first + width_c] = k_LHTD[:, :, :c]
                 self.values[:, n + j, :, first + width_c - c:first + width_c] = v_LHTD[:, :, :c]
+            # Copied: the row no longer holds the entry, which the cache may evict (or never kept,
+            # a prefix over its whole budget) while the row runs.
+            row.hit.entry = None
         mask_BT = torch.zeros((joining, block), dtype=torch.long)
         for j, (c, m) in enumerate(zip(cached, new)):
             mask_BT[j, width_c - c:width_c] = 1

@@ -8,6 +8,8 @@ Weight updates arrive in buckets and end with one cache flush and a new weight v
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from agentrl.config import RecipeConfig
@@ -58,6 +60,8 @@ class RolloutWorker:
 
     def set_rng_state(self, state: dict[str, torch.Tensor | None] | torch.Tensor | None) -> None:
         if isinstance(state, torch.Tensor):  # a checkpoint written before episodes had seeds
+            print("agentrl: the checkpoint predates episode seeds: the resumed run's episodes sample anew "
+                  "(the stream of seeds starts from engine.seed)", file=sys.stderr)
             state = {"episodes": None, "engine": state}
         if state is None:
             return

@@ -74,20 +74,23 @@ def disable_model_dropout(model: torch.nn.Module, rank: int = 0) -> None:
     """The checkpoint's own train-mode randomness off: nn.Dropout modules, and every float setting
     named for dropout (`dropout`, `attn_pdrop`, `layerdrop`, `drop_path_rate`, ...) or for an MoE
     router's jitter (`router_jitter_noise`, ...) on each module and on each config, which many
-    architectures (OPT, GPTBigCode, Starcoder2, Bloom, ...) apply functionally in train mode.
+    architectures (OPT, GPTBigCode, Starcoder2, Bloom, Mixtral, ...) apply functionally in train mode.
     PPO's ratio compares the training pass with the old logprobs, taken without dropout like the
     engine's samples, and its value clip the critic's training pass with the old values, taken in
     eval mode; a dropout mask in the training pass moves either by chance and clips tokens at
     unchanged weights. LoRA's adapter dropout is a recipe setting (model.lora.dropout) and stays.
+    A jitter setting is kept when zeroing it changes an eval-mode pass: PhiMoE's routes by it in
+    eval mode too, so it is part of the model the engine and the reference run, not noise.
     A warning (on `rank` 0) names a model whose training passes still differ (see
     `check_train_mode_determinism`)."""
+    holders: list[dict[str, Any]] = []  # the attribute dicts of modules and of their configs
     configs: list[PretrainedConfig] = []
     for name, module in model.named_modules():
         if _is_lora_dropout(name):
             continue
         if isinstance(module, _DropoutNd):
             module.p = 0.0
-        _zero_random_settings(vars(module))
+        holders.append(vars(module))
         if isinstance(getattr(module, "config", None), PretrainedConfig):
             configs.append(module.config)
     seen: set[int] = set()
@@ -95,8 +98,18 @@ def disable_model_dropout(model: torch.nn.Module, rank: int = 0) -> None:
         config = configs.pop()
         if id(config) not in seen:
             seen.add(id(config))
-            _zero_random_settings(vars(config))
+            holders.append(vars(config))
             configs += [sub for sub in vars(config).values() if isinstance(sub, PretrainedConfig)]
+    for attributes in holders:
+        _zero_settings(attributes, "drop")
+    has_jitter = any(type(v) is float and v != 0.0 and "jitter" in k.lower() for a in holders for k, v in a.items())
+    before = _probe_passes(model, training=False, count=1) if has_jitter else None
+    jitter = [(attributes, _zero_settings(attributes, "jitter")) for attributes in holders]
+    if before is not None:
+        after = _probe_passes(model, training=False, count=1)
+        if after is not None and not torch.equal(before[0], after[0]):
+            for attributes, changed in jitter:
+                attributes.update(changed)
     check_train_mode_determinism(model, rank)
 
 
@@ -104,44 +117,58 @@ def _is_lora_dropout(name: str) -> bool:
     return ".lora_dropout." in f".{name}."
 
 
-def _zero_random_settings(attributes: dict[str, Any]) -> None:
-    """Floats named for dropout or router jitter set to 0.0 (a bool or an int 0 is left alone)."""
+def _zero_settings(attributes: dict[str, Any], word: str) -> dict[str, float]:
+    """Floats whose name holds `word` set to 0.0 (a bool or an int 0 is left alone); returns the
+    values they had."""
+    changed = {}
     for key, value in list(attributes.items()):
         lowered = key.lower()
-        if type(value) is float and ("drop" in lowered or "jitter" in lowered) and not lowered.startswith("lora_"):
-            attributes[key] = 0.0
+        if type(value) is float and value != 0.0 and word in lowered and not lowered.startswith("lora_"):
+            changed[key], attributes[key] = value, 0.0
+    return changed
 
 
-def check_train_mode_determinism(model: torch.nn.Module, rank: int = 0) -> bool:
-    """Whether two train-mode forwards of a few tokens give the same output (LoRA's dropout, which
-    is meant to be on, held off for the check); otherwise one warning on `rank` 0 naming the model
-    type: some randomness that disable_model_dropout does not know of is on in training passes.
-    A warning, not an error: a GPU kernel may be non-deterministic on its own. Cheap: 8 tokens, no
-    gradients, the random state left as it was."""
+def _probe_passes(model: torch.nn.Module, training: bool, count: int) -> list[torch.Tensor] | None:
+    """The outputs of `count` forward passes of the same 8 tokens through `model`'s transformers
+    model, in train or eval mode (LoRA's dropout, meant to be on, held off), without gradients, the
+    random state and every module's mode left as they were; None for a model on the meta device
+    or without a vocabulary size to pick tokens from."""
     inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     if inner is None or any(p.device.type == "meta" for p in inner.parameters()):
-        return True
+        return None
     vocab = getattr(inner.config.get_text_config(), "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
-        return True
+        return None
     device = next(inner.parameters()).device
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     ids = (torch.arange(8, device=device) * 7 + 3).remainder(vocab).unsqueeze(0)
     modes = {module: module.training for module in model.modules()}
-    model.train()
+    model.train(training)
     for name, module in model.named_modules():
         if _is_lora_dropout(name):
             module.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            first, second = (inner(input_ids=ids, use_cache=False)[0] for _ in range(2))
+            return [inner(input_ids=ids, use_cache=False)[0] for _ in range(count)]
     finally:
-        for module, training in modes.items():
-            module.training = training
+        for module, training_before in modes.items():
+            module.training = training_before
+
+
+def check_train_mode_determinism(model: torch.nn.Module, rank: int = 0) -> bool:
+    """Whether two train-mode forwards of a few tokens give the same output (`_probe_passes`);
+    otherwise one warning on `rank` 0 naming the model type: some randomness that
+    disable_model_dropout does not know of is on in training passes. A warning, not an error: a
+    GPU kernel may be non-deterministic on its own."""
+    passes = _probe_passes(model, training=True, count=2)
+    if passes is None:
+        return True
+    first, second = passes
     same = torch.equal(first, second)
     if not same and rank == 0:
+        model_type = next(m for m in model.modules() if isinstance(m, PreTrainedModel)).config.model_type
         print(f"agentrl: warning: two training-mode forward passes of the same tokens through this "
-              f"{inner.config.model_type!r} model differ (largest gap {(first - second).abs().max().item():.3g}): "
+              f"{model_type!r} model differ (largest gap {(first - second).abs().max().item():.3g}): "
               "some dropout or other randomness is still on in training passes, so PPO/GRPO importance ratios "
               "(and the critic's value clip) will be noisy at unchanged weights", file=sys.stderr)
     return same
