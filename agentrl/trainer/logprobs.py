@@ -102,7 +102,7 @@ def disable_model_dropout(model: torch.nn.Module, rank: int = 0) -> None:
             configs += [sub for sub in vars(config).values() if isinstance(sub, PretrainedConfig)]
     for attributes in holders:
         _zero_settings(attributes, "drop")
-    has_jitter = any(type(v) is float and v != 0.0 and "jitter" in k.lower() for a in holders for k, v in a.items())
+    has_jitter = any(_named_setting(k, v, "jitter") for a in holders for k, v in a.items())
     before = _probe_passes(model, training=False, count=1) if has_jitter else None
     jitter = [(attributes, _zero_settings(attributes, "jitter")) for attributes in holders]
     if before is not None:
@@ -120,12 +120,15 @@ def _is_lora_dropout(name: str) -> bool:
 def _zero_settings(attributes: dict[str, Any], word: str) -> dict[str, float]:
     """Floats whose name holds `word` set to 0.0 (a bool or an int 0 is left alone); returns the
     values they had."""
-    changed = {}
-    for key, value in list(attributes.items()):
-        lowered = key.lower()
-        if type(value) is float and value != 0.0 and word in lowered and not lowered.startswith("lora_"):
-            changed[key], attributes[key] = value, 0.0
+    changed = {key: value for key, value in attributes.items() if _named_setting(key, value, word)}
+    attributes.update(dict.fromkeys(changed, 0.0))
     return changed
+
+
+def _named_setting(key: str, value: Any, word: str) -> bool:
+    """A non-zero float setting whose name holds `word`, not one of LoRA's."""
+    lowered = key.lower()
+    return type(value) is float and value != 0.0 and word in lowered and not lowered.startswith("lora_")
 
 
 def _probe_passes(model: torch.nn.Module, training: bool, count: int) -> list[torch.Tensor] | None:
