@@ -175,7 +175,7 @@ class EngineConfig(_Section):
     name: Literal["hf", "sglang"] = Field("hf", description="Inference engine: 'hf' (transformers) or 'sglang'.")
     device: Device = Field("cpu", description="Torch device of the engine.")
     max_batch_size: int = Field(64, ge=1, description="Generate calls decoded together (hf).")
-    seed: int = Field(0, ge=0, lt=2**63, description="Sampling seed.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Sampling seed: each episode's seed is drawn from it (replica r: `engine.seed + r`).")
     kv_cache_bytes: int = Field(2 * 1024**3, ge=0, description="Memory for keys and values kept between an "
                                 "episode's turns, so a turn prefills only its new tokens, and for prompts' "
                                 "first messages shared across tasks; least recently used entries are evicted "
