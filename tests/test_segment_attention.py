@@ -82,7 +82,7 @@ def test_micro_batches_where_segments_do_not_pay_keep_the_mask():
 
 
 def run(model, batch):
-    logprobs_BT, entropy_BT = token_logprobs(model, batch, temperature=0.8)
+    logprobs_BT, entropy_BT = token_logprobs(model, batch, temperature=0.8, entropy_grad=True)
     ((logprobs_BT * batch.mask_BT).sum() + entropy_BT.sum() * 0.1).backward()
     return logprobs_BT.detach(), {name: p.grad for name, p in model.named_parameters()}
 

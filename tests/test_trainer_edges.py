@@ -163,7 +163,7 @@ def test_activation_checkpointing_gives_packed_rows_the_same_logprobs_and_gradie
             enable_activation_checkpointing(model)
         idx, batch = next(padded_micro_batches(plan, sequences, masks, 2, "cpu"))
         assert idx == [0, 1, 2] and batch.packed.segments is not None
-        logprobs_BT, entropy_BT = token_logprobs(model, batch)
+        logprobs_BT, entropy_BT = token_logprobs(model, batch, entropy_grad=True)
         ((logprobs_BT * batch.mask_BT).sum() + 0.1 * entropy_BT.sum()).backward()
         results.append((logprobs_BT.detach(), {name: p.grad for name, p in model.named_parameters()}))
     assert torch.equal(results[0][0], results[1][0])

@@ -25,6 +25,7 @@ from agentrl.trainer.checkpoint import atomic_directory, full_state_dict, load_s
 from agentrl.trainer.distributed import Ranks, clipped_step, shard_model
 from agentrl.trainer.logprobs import (PaddedBatch, disable_model_dropout, evaluation, mini_batch_schedule, pad_values,
                                       padded_micro_batches)
+from agentrl.trainer.optimizer import adamw
 
 
 class ValueModel(torch.nn.Module):
@@ -115,7 +116,7 @@ class CriticWorker:
         self.pad_id, self.value_clip, self.grad_clip = pad_id, value_clip, grad_clip
         self.ppo_epochs, self.mini_batches, self.micro_batch_tokens = ppo_epochs, mini_batches, micro_batch_tokens
         self.bf16_autocast = bf16_autocast
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = adamw(model.parameters(), lr, weight_decay)
         self.rng = random.Random(seed)
 
     def _autocast(self) -> torch.autocast:

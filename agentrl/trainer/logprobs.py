@@ -258,32 +258,37 @@ def check_logit_head(model: torch.nn.Module, label: str) -> None:
 
 
 def _head_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden_NH: torch.Tensor, targets_N: torch.Tensor,
-                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    logits_NV = head(hidden_NH).float()
-    if temperature > 0:
-        logits_NV = logits_NV / temperature
-    logp_NV = torch.log_softmax(logits_NV, dim=-1)
-    entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
-    return logp_NV.gather(1, targets_N[:, None]).squeeze(1), entropy_N
+                   temperature: float, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_NV = head(hidden_NH)
+    if temperature > 0 and temperature != 1:  # x / 1 is x: no pass over N x V for it
+        logits_NV = logits_NV.float() / temperature
+    logp_NV = torch.log_softmax(logits_NV, dim=-1, dtype=torch.float32)
+    logp_N = logp_NV.gather(1, targets_N[:, None]).squeeze(1)
+    # Last, and without a graph unless a loss term needs its gradient: the backward pass's
+    # recomputation of this chunk then stops at the gather (checkpoint's early stop).
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
+    return logp_N, entropy_N
 
 
 SHARDED_METHOD = "agentrl_token_logprobs"
 
 
 def token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0,
-                   chunk_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_rows: int = 512, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_BT, entropy_BT) on the batch's mask-1 positions, zeros elsewhere.
 
     `temperature` must be the sampling temperature, so these match the engine's logprobs.
-    Gradients flow when grad mode is on. This path calls the decoder and the output head
+    Gradients flow when grad mode is on, into the entropy only with `entropy_grad` (a loss with an
+    entropy term); otherwise it is a detached figure to report. This path calls the decoder and the output head
     separately, bypassing the model's `forward`; an FSDP2-sharded model carries it as a registered
     forward method instead (`attach_token_logprobs`), so that its root parameters (embeddings, head)
     are gathered and their gradients reduced.
     """
     method = getattr(model, SHARDED_METHOD, None)
     if method is not None:
-        return method(batch, temperature, chunk_rows)
-    return compute_token_logprobs(model, batch, temperature, chunk_rows)
+        return method(batch, temperature, chunk_rows, entropy_grad)
+    return compute_token_logprobs(model, batch, temperature, chunk_rows, entropy_grad)
 
 
 def attach_token_logprobs(model: torch.nn.Module) -> str:
@@ -293,23 +298,23 @@ def attach_token_logprobs(model: torch.nn.Module) -> str:
 
 
 def compute_token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0,
-                           chunk_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden_BTH = _decoder_hidden(model, batch)
+                           chunk_rows: int = 512, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    want_BT = batch.mask_BT[:, 1:] > 0  # token t+1 is predicted from position t
+    hidden_NH = _wanted_hidden(model, batch, want_BT)
     output, transform = model.get_output_embeddings(), logit_transform(model.config)
     head = lambda hidden_NH: transform(output(hidden_NH))  # noqa: E731
-    want_BT = batch.mask_BT[:, 1:] > 0  # token t+1 is predicted from position t
-    hidden_NH = hidden_BTH[:, :-1][want_BT]
     targets_N = batch.ids_BT[:, 1:][want_BT]
     logps, entropies = [], []
     for start in range(0, hidden_NH.shape[0], chunk_rows):
-        args = (head, hidden_NH[start:start + chunk_rows], targets_N[start:start + chunk_rows], temperature)
+        args = (head, hidden_NH[start:start + chunk_rows], targets_N[start:start + chunk_rows], temperature,
+                entropy_grad)
         if torch.is_grad_enabled():
             logp_N, entropy_N = checkpoint(_head_logprobs, *args, use_reentrant=False)
         else:
             logp_N, entropy_N = _head_logprobs(*args)
         logps.append(logp_N)
         entropies.append(entropy_N)
-    logprobs_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.float, device=hidden_BTH.device)
+    logprobs_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.float, device=hidden_NH.device)
     entropy_BT = torch.zeros_like(logprobs_BT)
     if logps:
         full_want_BT = torch.zeros_like(batch.mask_BT, dtype=torch.bool)
@@ -322,12 +327,16 @@ def compute_token_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperatu
 _MASKED = torch.finfo(torch.bfloat16).min  # finite in float32 and in bf16, which mixed precision may cast it to
 
 
-def _decoder_hidden(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
-    """The decoder's last hidden states, [B, T, H], from the packed layout when there is one."""
+def _wanted_hidden(model: torch.nn.Module, batch: PaddedBatch, want_BT: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states at the positions `want_BT` (B × T-1) marks, [N, H] in row
+    order, from the packed layout when there is one. They are taken from the decoder's output
+    directly: laying packed rows out as B × T first cost a B × T × H copy (each row's prompt
+    repeated) and, in the backward pass, as many zeros to scatter the few wanted gradients into."""
     decoder = model.get_decoder()
     packed = batch.packed
     if packed is None:
-        return decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT, use_cache=False).last_hidden_state
+        hidden_BTH = decoder(input_ids=batch.ids_BT, attention_mask=batch.attention_BT, use_cache=False).last_hidden_state
+        return hidden_BTH[:, :-1][want_BT]
     implementation = decoder.config._attn_implementation
     segmented = {KEYWORD: packed.segments} if packed.segments and implementation == NAME else {}
     mask_G1LL = packed.attention_G1LL
@@ -335,4 +344,4 @@ def _decoder_hidden(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
         mask_G1LL = torch.zeros(mask_G1LL.shape, device=mask_G1LL.device).masked_fill(~mask_G1LL, _MASKED)
     hidden_GLH = decoder(input_ids=packed.ids_GL, attention_mask=mask_G1LL,
                          position_ids=packed.positions_GL, use_cache=False, **segmented).last_hidden_state
-    return hidden_GLH.flatten(0, 1)[packed.where_BT]
+    return hidden_GLH.flatten(0, 1)[packed.where_BT[:, :-1][want_BT]]

@@ -25,6 +25,7 @@ from agentrl.trainer.distributed import Ranks, buckets, clipped_step, shard_mode
 from agentrl.trainer.lora import merged_weights
 from agentrl.trainer.logprobs import (attach_token_logprobs, disable_model_dropout, evaluation, mini_batch_schedule,
                                       pad_values, padded_micro_batches, token_logprobs)
+from agentrl.trainer.optimizer import adamw
 from agentrl.trainer.packing import PackCost, enable_packing
 
 
@@ -99,8 +100,7 @@ class PolicyWorker:
         self.clip = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation)
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
         self.bf16_autocast = bf16_autocast
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                           weight_decay=weight_decay)  # with LoRA: the adapters only
+        self.optimizer = adamw(model.parameters(), lr, weight_decay)  # with LoRA: the adapters only
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
         self.rng = random.Random(seed)
@@ -175,7 +175,8 @@ class PolicyWorker:
                 self.model.set_requires_gradient_sync(n == len(plan) - 1)
             width = batch.ids_BT.shape[1]
             with self._autocast():
-                logprobs_BT, entropy_BT = token_logprobs(self.model, batch, self.temperature)
+                logprobs_BT, entropy_BT = token_logprobs(self.model, batch, self.temperature,
+                                                         entropy_grad=bool(self.entropy_coef))
             if not idx:  # a dummy pass that keeps FSDP's collectives in step; it weighs nothing
                 ((logprobs_BT.sum() + entropy_BT.sum()) * 0.0).backward()
                 continue

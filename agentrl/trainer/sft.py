@@ -19,6 +19,7 @@ import torch
 
 from agentrl.rollout.chat import ChatRenderer, SpecialTextError, TemplateError, normalize_tool_calls
 from agentrl.trainer.logprobs import pad_sequences, token_logprobs
+from agentrl.trainer.optimizer import adamw
 from agentrl.types import Task
 
 
@@ -78,7 +79,7 @@ def sft_train(model: torch.nn.Module, samples: list[Sample], pad_id: int, steps:
     """AdamW on the token-mean negative log-likelihood of mask-1 tokens, on batches dealt from
     seeded shuffles of `samples` (batch_order); returns the loss per step."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    optimizer = adamw(model.parameters(), lr, 0.0)
     model.train()
     losses = []
     for indices in batch_order(len(samples), batch_size, steps, seed):
