@@ -234,6 +234,12 @@ class AlgorithmConfig(_Section):
                           "expectation, so it is refused unless kl_in_reward.")
     kl_in_reward: bool = Field(False, description="Apply the KL as a per-token reward penalty, not a loss term.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    rollout_is_cap: float | None = Field(
+        None, ge=1, description="Truncated importance sampling (Yao et al. 2025): each trained token's policy "
+                                "loss is weighted by min(p_trainer / p_engine, cap), the trainer's pre-update "
+                                "probability of the sampled token over the engine's. It corrects for an engine "
+                                "that samples from slightly other numbers than the trainer computes (bfloat16, "
+                                "SGLang's kernels); null: off. 2 is a common cap.")
 
 
 class TrainerConfig(_Section):

@@ -9,7 +9,8 @@ import torch
 
 from agentrl.algos.advantages import (gae_advantages, group_baseline, grpo_advantages, reinforce_pp_advantages,
                                       rloo_advantages)
-from agentrl.algos.losses import aggregate, entropy_from_logits, kl_estimate, ppo_policy_loss, value_loss
+from agentrl.algos.losses import (aggregate, entropy_from_logits, kl_estimate, ppo_policy_loss,
+                                 truncated_importance_weights, value_loss)
 
 close = torch.testing.assert_close
 
@@ -126,6 +127,23 @@ def test_ppo_clip_asymmetric_and_dual():
     loss, metrics = ppo_policy_loss(new, old, adv, mask, 0.2, 0.2, dual_clip=3.0)  # token 2 → min(4, 3)
     close(loss, torch.tensor((-1.2 + 0.8 + 3.0 - 2.0) / 4))
     assert metrics["clip_fraction"] == 0.75  # token 2's loss is the dual bound now: no gradient either
+
+
+def test_truncated_importance_weights_scale_each_tokens_surrogate():
+    # The engine found token 0 e times less likely than the trainer (weight e, capped at 2),
+    # token 1 e times more likely (1/e), token 2 as likely (1); token 3's overflows to the cap.
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
+    rollout = torch.tensor([[-2.0, -1.0, -0.5, -200.0]])
+    weights = truncated_importance_weights(old, rollout, cap=2.0)
+    close(weights, torch.tensor([[2.0, math.exp(-1.0), 1.0, 2.0]]))
+    assert not weights.requires_grad
+    new = old.clone().requires_grad_(True)  # ratio 1: the surrogate is -A per token
+    adv = torch.tensor([[1.0, 1.0, -1.0, 0.5]])
+    loss, metrics = ppo_policy_loss(new, old, adv, torch.ones(1, 4), weights_BT=weights)
+    loss.backward()
+    close(loss, torch.tensor((-2.0 - math.exp(-1.0) + 1.0 - 1.0) / 4))
+    close(new.grad, torch.tensor([[-2.0, -math.exp(-1.0), 1.0, -1.0]]) / 4)
+    assert metrics["clip_fraction"] == 0.0
 
 
 def test_a_ratio_past_floats_range_gives_no_nan_loss_or_gradient():

@@ -524,3 +524,25 @@ def test_fsdp_shards_the_outermost_blocks_when_the_list_names_nested_ones():
                                          decoder_ffn_dim=64, encoder_layers=1))
     assert "MBartAttention" in mbart._no_split_modules
     assert decoder_layers(mbart) == list(mbart.model.decoder.layers)
+
+
+def test_rollout_is_cap_weights_each_tokens_surrogate_by_the_engines_logprobs():
+    # The engine found each row's first 4 trained tokens e times less likely than the trainer does
+    # (weight e, capped at 2) and the rest as likely (weight 1); ratio 1 and advantage 1 everywhere,
+    # so the token-mean loss is minus the mean weight: -(16 · 2 + 69 · 1) / 85.
+    sequences, masks, advantages = group((12, 40, 8, 25), (1.0, 1.0, 1.0, 1.0))
+    results = {}
+    for cap in (None, 2.0):
+        policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0, rollout_is_cap=cap)
+        trainer = policy.logprobs(sequences, masks)
+        engine = [[value - 1.0 * (PROMPT_TOKENS <= t < PROMPT_TOKENS + 4) for t, value in enumerate(row)]
+                  for row in trainer]
+        results[cap] = policy.update(sequences, masks, advantages, rollout_logprobs=engine)
+    assert results[2.0]["loss"] == pytest.approx(-(16 * 2 + 69) / 85, rel=1e-5)
+    assert results[2.0]["rollout_is_weight_mean"] == pytest.approx((16 * 2 + 69) / 85, rel=1e-5)
+    assert results[2.0]["rollout_is_truncated_fraction"] == pytest.approx(16 / 85)
+    assert results[None]["loss"] == pytest.approx(-1.0, rel=1e-5) and "rollout_is_weight_mean" not in results[None]
+    assert results[2.0]["rollout_logprob_diff"] == pytest.approx(16 / 85, rel=1e-4)
+    policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0, rollout_is_cap=2.0)
+    with pytest.raises(ValueError, match="rollout_is_cap weights tokens by the engine's logprobs"):
+        policy.update(sequences, masks, advantages)

@@ -1,4 +1,4 @@
-"""Policy losses, loss aggregation and KL estimators: pure tensor functions over (B, T) tensors.
+"""Policy losses, loss aggregation, KL estimators and importance weights: pure tensor functions over (B, T) tensors.
 
 Every (B, T) tensor is aligned with the token sequence and weighted by `mask_BT` (1 on tokens the
 policy sampled). Nothing here knows about models, batches or optimisers.
@@ -38,13 +38,14 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: Aggregation = 
 def ppo_policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor,
                     mask_BT: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                     dual_clip: float | None = None, aggregation: Aggregation = "token-mean",
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
+                    weights_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate with asymmetric bounds and optional dual clip; (loss, metrics).
 
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347. The ratio is
     clipped to [1 - clip_low, 1 + clip_high]; a larger clip_high is DAPO's clip-higher (Yu et al.
     2025, arXiv:2503.14476). Dual clip bounds the loss of negative-advantage tokens by
     -dual_clip * A (Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729).
+    `weights_BT` (constants, e.g. `truncated_importance_weights`) scale each token's surrogate.
     """
     # Clamped before exp: past e^88 float32 overflows, and a token with zero advantage (common under
     # GRPO) would give 0 · inf = NaN; at ±20 the ratio is far outside any clip range either way.
@@ -58,6 +59,8 @@ def ppo_policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, ad
             raise ValueError("dual_clip must be larger than 1")
         bounded_BT = torch.minimum(loss_BT, -advantages_BT * dual_clip)
         loss_BT = torch.where(advantages_BT < 0, bounded_BT, loss_BT)
+    if weights_BT is not None:
+        loss_BT = loss_BT * weights_BT.detach()
     m = mask_BT.to(loss_BT.dtype)
     with torch.no_grad():
         n = m.sum().clamp(min=1)
@@ -69,6 +72,18 @@ def ppo_policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, ad
                    "approx_kl": (0.5 * log_ratio_BT ** 2 * m).sum().item() / n.item(),
                    "ratio_mean": (ratio_BT * m).sum().item() / n.item()}
     return aggregate(loss_BT, mask_BT, aggregation), metrics
+
+
+def truncated_importance_weights(old_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor,
+                                 cap: float) -> torch.Tensor:
+    """min(p_old / p_rollout, cap) per token, without gradient: truncated importance sampling (Yao et
+    al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). The engine
+    samples from its own numerics (bfloat16, other kernels), not exactly from the trainer's
+    pre-update policy the surrogate assumes; weighting each token's surrogate by this ratio corrects
+    the expectation, and the cap bounds the variance a token the engine found far less likely than
+    the trainer does would add."""
+    with torch.no_grad():
+        return torch.exp(old_logprobs_BT - rollout_logprobs_BT).clamp(max=cap)  # an overflow to inf is capped too
 
 
 def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: KLEstimator = "k3") -> torch.Tensor:

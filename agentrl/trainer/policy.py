@@ -19,7 +19,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss
+from agentrl.algos.losses import aggregate, kl_estimate, ppo_policy_loss, truncated_importance_weights
 from agentrl.trainer.checkpoint import load_sharded, save_model, save_sharded
 from agentrl.trainer.distributed import Ranks, buckets, clipped_step, shard_model
 from agentrl.trainer.lora import merged_weights
@@ -85,8 +85,8 @@ class PolicyWorker:
                  ppo_epochs: int = 1, mini_batches: int = 1, micro_batch_tokens: int = 4096,
                  clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                  aggregation: str = "token-mean", kl_coef: float = 0.0, kl_estimator: str = "k3",
-                 entropy_coef: float = 0.0, bf16_autocast: bool = False, seed: int = 0, ranks: Ranks = Ranks(),
-                 param_dtype: torch.dtype | None = None):
+                 entropy_coef: float = 0.0, rollout_is_cap: float | None = None, bf16_autocast: bool = False,
+                 seed: int = 0, ranks: Ranks = Ranks(), param_dtype: torch.dtype | None = None):
         self.ranks = ranks
         disable_model_dropout(model, ranks.rank)
         self.pack_cost = enable_packing(model)  # before sharding: it counts parameters
@@ -99,6 +99,7 @@ class PolicyWorker:
         self.micro_batch_tokens = micro_batch_tokens
         self.clip = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=aggregation)
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
+        self.rollout_is_cap = rollout_is_cap
         self.bf16_autocast = bf16_autocast
         self.optimizer = adamw(model.parameters(), lr, weight_decay)  # with LoRA: the adapters only
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -132,9 +133,13 @@ class PolicyWorker:
         rollout_logprob_diff: the mean |engine - trainer| logprob gap before the update, which is
         ~0 when weight sync works and grows with precision mismatch (bf16 engine) or a stale engine,
         and engine_k3_mean / engine_k3_max: the k3 estimate of KL(engine || trainer) per token.
+        With `rollout_is_cap` they also weight each token's surrogate (truncated_importance_weights),
+        and rollout_is_weight_mean / rollout_is_truncated_fraction say by how much.
         """
         if old_logprobs is None and not self.on_policy:
             raise ValueError("old_logprobs are required with several epochs or mini-batches")
+        if self.rollout_is_cap is not None and rollout_logprobs is None and sequences:
+            raise ValueError("rollout_is_cap weights tokens by the engine's logprobs: rollout_logprobs are required")
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs")
         totals: dict[str, float] = {}
@@ -166,6 +171,8 @@ class PolicyWorker:
             metrics["kl_ref"] = 0.0
         if rollout_logprobs is not None:
             metrics.update(rollout_logprob_diff=0.0, engine_k3_mean=0.0, engine_k3_max=0.0)
+            if self.rollout_is_cap is not None:
+                metrics.update(rollout_is_weight_mean=0.0, rollout_is_truncated_fraction=0.0)
         # Rows without a trainable token (a prompt that filled the context) weigh nothing: left out.
         plan = self.ranks.micro_batch_plan([i for i in mini if any(masks[i][1:])], sequences, masks,
                                            self.micro_batch_tokens, self.pack_cost)
@@ -183,6 +190,7 @@ class PolicyWorker:
             old_BT = (pad_values([old_logprobs[i] for i in idx], width, self.device) if old_logprobs is not None
                       else logprobs_BT.detach())
             advantages_BT = pad_values([advantages[i] for i in idx], width, self.device)
+            weights_BT = None
             if rollout_logprobs is not None:  # always token-mean: a per-token precision figure
                 rollout_BT = pad_values([rollout_logprobs[i] for i in idx], width, self.device)
                 metrics["rollout_logprob_diff"] += ((old_BT - rollout_BT).abs() * batch.mask_BT).sum().item() / tokens
@@ -190,8 +198,14 @@ class PolicyWorker:
                 k3_BT = kl_estimate(rollout_BT, old_BT.detach(), "k3") * batch.mask_BT
                 metrics["engine_k3_mean"] += k3_BT.sum().item() / tokens
                 metrics["engine_k3_max"] = max(metrics["engine_k3_max"], k3_BT.max().item())
+                if self.rollout_is_cap is not None:
+                    weights_BT = truncated_importance_weights(old_BT, rollout_BT, self.rollout_is_cap)
+                    metrics["rollout_is_weight_mean"] += (weights_BT * batch.mask_BT).sum().item() / tokens
+                    capped_BT = (weights_BT >= self.rollout_is_cap).to(batch.mask_BT.dtype) * batch.mask_BT
+                    metrics["rollout_is_truncated_fraction"] += capped_BT.sum().item() / tokens
             part = (batch.num_tokens if token_mean else int((batch.mask_BT.sum(1) > 0).sum())) / max(total, 1)
-            loss, clip_metrics = ppo_policy_loss(logprobs_BT, old_BT, advantages_BT, batch.mask_BT, **self.clip)
+            loss, clip_metrics = ppo_policy_loss(logprobs_BT, old_BT, advantages_BT, batch.mask_BT, **self.clip,
+                                                 weights_BT=weights_BT)
             loss = loss * part
             # The loss terms follow the aggregation; the reported entropy and KL are token means
             # whatever it is (as the KL in the rewards is reported): a sum per sequence is no entropy.

@@ -56,7 +56,8 @@ def make_policy(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> Po
         warmup_steps=t.warmup_steps, grad_clip=t.grad_clip, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
         micro_batch_tokens=t.micro_batch_tokens, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
         aggregation=a.aggregation, kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator,
-        entropy_coef=a.entropy_coef, seed=config.seed, ranks=ranks, **_compute(config, ranks))
+        entropy_coef=a.entropy_coef, rollout_is_cap=a.rollout_is_cap, seed=config.seed, ranks=ranks,
+        **_compute(config, ranks))
 
 
 def make_reference(config: RecipeConfig, pad_id: int, ranks: Ranks = Ranks()) -> ReferenceWorker:
