@@ -16,8 +16,9 @@ Prints the CPU's bf16 features and the dtype the engine ran in; then per round (
 runs interleaved, because the machine is noisy) tokens/s of each, the ratios loop/plain (and
 loop/plain-even) and delayed/loop ("delayed/instant"), prompt tokens prefilled and reused from the
 prefix cache (the loop prefills every tool response and generation prompt on top of what plain
-prefills), requests that joined a running batch (for plain: ones that missed the first batch), and
-how much of the total tool delay (calls × 0.5 s) did not show up as extra wall time; finally the
+prefills), requests that joined a running batch (for plain: ones that missed the first batch),
+requests that joined as copies of another with the same prompt (a group's episodes that made the
+same tool call, and a group's first prompts; `--group 1 --tasks 32` runs without them), and how much of the total tool delay (calls × 0.5 s) did not show up as extra wall time; finally the
 medians of the ratios over the rounds, with their range. An untimed loop and plain run first.
 
 Untrained SmolLM2 never calls tools, so the model first gets a short supervised warm-up on generated
@@ -97,7 +98,8 @@ def run_loop(engine, tokenizer, tools, tasks, group, settings):
     trajectories = asyncio.run(collect(runner, tasks, group, max_concurrent=len(tasks) * group))
     summary = summarize(trajectories, time.perf_counter() - started)
     summary["per_episode"] = [t.num_generated for t in trajectories]  # in the order of run_plain's prompts
-    counts = {key: engine.stats[key] - before[key] for key in ("prefill_tokens", "cached_tokens", "batches")}
+    counts = {key: engine.stats[key] - before[key]
+              for key in ("prefill_tokens", "cached_tokens", "batches", "copied_requests")}
     return summary | counts | {"joined": engine.stats["joined_requests"] - before["joined_requests"]}
 
 
@@ -117,7 +119,7 @@ def run_plain(engine, tokenizer, tasks, group, shares, settings):
     started = time.perf_counter()
     generated = sum(len(c.token_ids) for c in asyncio.run(ask_all()))
     wall = time.perf_counter() - started
-    counts = {key: engine.stats[key] - before[key] for key in ("prefill_tokens", "cached_tokens")}
+    counts = {key: engine.stats[key] - before[key] for key in ("prefill_tokens", "cached_tokens", "copied_requests")}
     # Requests that missed the first batch and joined it later (a loaded machine): shown, not hidden.
     joined = engine.stats["joined_requests"] - before["joined_requests"]
     return {"tokens_generated": generated, "wall_s": wall, "tokens_per_s": generated / wall, "joined": joined} | counts
@@ -127,7 +129,7 @@ def report(name: str, r: dict, episodes: int) -> None:
     print(f"{name:10} {r['tokens_generated']:7.0f} {r['wall_s']:7.1f} {r['tokens_per_s']:7.1f} "
           f"{r.get('tool_calls_per_episode', 0) * episodes:10.0f} {r.get('reward_mean', float('nan')):6.2f} "
           f"{r.get('mean_turns', float('nan')):5.2f} {r.get('prefill_tokens', 0):8.0f} "
-          f"{r.get('cached_tokens', 0):7.0f} {r.get('joined', 0):6.0f}")
+          f"{r.get('cached_tokens', 0):7.0f} {r.get('joined', 0):6.0f} {r.get('copied_requests', 0):6.0f}")
 
 
 def even_shares(total: int, n: int) -> list[int]:
@@ -144,7 +146,7 @@ def one_round(engine, tokenizer, tasks, args, settings) -> tuple[float, float, f
                      settings)
     slow = run_loop(engine, tokenizer, [delayed(args.delay)], tasks, args.group, settings)
     print(f"{'':10} {'tokens':>7} {'wall s':>7} {'tok/s':>7} {'tool calls':>10} {'reward':>6} {'turns':>5} "
-          f"{'prefill':>8} {'reused':>7} {'joined':>6}")
+          f"{'prefill':>8} {'reused':>7} {'joined':>6} {'copies':>6}")
     for name, r in (("plain", plain), ("plain-even", even), ("loop", loop), ("delayed", slow)):
         report(name, r, episodes)
     total_delay = slow["tool_calls_per_episode"] * episodes * args.delay

@@ -23,7 +23,7 @@ from agentrl.errors import ConfigError
 from agentrl.models import plain_attention_layers
 from agentrl.recipe import load_recipe
 from agentrl.rollout.run import load_policy
-from agentrl.rollout.kv_cache import MIN_SHARED_TOKENS, PrefixKVCache, split_point
+from agentrl.rollout.kv_cache import MIN_SHARED_TOKENS, CacheEntry, Hit, PrefixKVCache, split_copies, split_point
 from agentrl.rollout.running_batch import Row
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
@@ -96,8 +96,9 @@ def test_a_shared_prompt_is_computed_once_and_the_same_whether_requests_come_tog
     prompt = [1, 504, 3459, 30, 2, 9690, 28, 30, 253, 77, 91, 5]
     together = HFEngine(tiny_model, pad_token_id=2)
     batch = together.generate_batch([prompt] * 3, [greedy(6)] * 3)
-    assert together.stats["prefill_tokens"] == len(prompt) - 1 + 3  # the prefix once, each row its last token
-    assert together.stats["cached_tokens"] == 2 * (len(prompt) - 1)
+    # The prefix once, then the last token once: the other two rows join as copies of the first.
+    assert together.stats["prefill_tokens"] == len(prompt) and together.stats["copied_requests"] == 2
+    assert together.stats["cached_tokens"] == 2 * len(prompt)
     apart = HFEngine(tiny_model, pad_token_id=2)
     one_by_one = [apart.generate_batch([prompt], [greedy(6)])[0] for _ in range(3)]
     assert apart.stats["prefill_tokens"] == len(prompt) - 1 + 3
@@ -244,6 +245,8 @@ def test_concurrent_episodes_match_no_reuse(stopping_model, tokenizer):
     requested = sum(sum(request_lengths(t.loss_mask)) for t in with_reuse)
     assert engine.stats["prefill_tokens"] + engine.stats["cached_tokens"] == requested == plain.stats["prefill_tokens"]
     assert engine.stats["prefill_tokens"] < requested / 2
+    # Greedy, so each group's two episodes are the same: every turn's second request joined as a copy.
+    assert engine.stats["copied_requests"] == 2 * 3 and plain.stats["copied_requests"] == 0
 
 
 def test_lru_eviction_under_a_tiny_budget_recomputes_the_same_output(tiny_model, tokenizer):
@@ -423,3 +426,63 @@ def test_seeded_multi_turn_episodes_are_the_same_whatever_their_concurrency(stop
     for group in range(4):
         members = first[4 * group:4 * group + 4]
         assert len({tuple(t.token_ids) for t in members}) >= 3
+
+
+def test_rows_with_the_next_prompt_of_a_joining_row_join_as_its_copies_and_sample_their_own_tokens(tiny_model):
+    """A GRPO group's episodes that sampled the same tool call come back with the same next prompt
+    while other rows decode: it is computed once, in the running rows' mixed pass, and each copy
+    draws its own tokens from it, exactly the ones it draws when it is the only one joining."""
+    first, running = [1, 504, 3459, 30, 2, 9690, 28, 30, 253], [1, 77, 88, 99, 2, 9690, 28]
+    sampling = lambda seed: SamplingParams(max_new_tokens=10, temperature=1.0, seed=seed)  # noqa: E731
+
+    def decode(seeds: list[int]) -> tuple[dict[str, Completion], HFEngine]:
+        engine = HFEngine(tiny_model, pad_token_id=2)
+        turn = engine.generate_batch([first], [greedy(6)])[0].token_ids  # the previous turn, now cached
+        prompt = first + turn + [11, 12, 13]  # + the tool's output
+        before = dict(engine.stats)
+        out: dict[str, Completion] = {}
+        steps = iter(range(100))
+        joining = [Row(prompt, sampling(seed), owner=f"seed {seed}") for seed in seeds]
+        with torch.no_grad():
+            engine._decode([Row(running, sampling(5), owner="running")],
+                           lambda row: out.__setitem__(row.owner, engine._completion(row)),
+                           lambda room: joining if next(steps) == 2 else [])
+        engine.stats = {key: value - before[key] for key, value in engine.stats.items()}
+        return out, engine
+
+    together, engine = decode([21, 22, 23])
+    assert engine.stats["copied_requests"] == 2 and engine.stats["joined_requests"] == 3
+    # The running row's prompt, then the joining rows' new tokens once: the previous turn's last
+    # sample (never fed back) and the three of the tool's output.
+    assert engine.stats["prefill_tokens"] == len(running) + 4
+    assert len({tuple(c.token_ids) for c in together.values()}) == 4  # each copy drew its own tokens
+    for seed in (21, 22, 23):
+        alone, single = decode([seed])
+        assert single.stats["copied_requests"] == 0 and single.stats["prefill_tokens"] == len(running) + 4
+        for name in (f"seed {seed}", "running"):
+            assert together[name].token_ids == alone[name].token_ids
+            torch.testing.assert_close(torch.tensor(together[name].logprobs), torch.tensor(alone[name].logprobs),
+                                       atol=1e-5, rtol=0)
+
+
+def test_rows_are_copies_only_when_their_prompts_and_reused_keys_are_the_same():
+    kv = (torch.arange(24.0).view(2, 1, 3, 4), -torch.arange(24.0).view(2, 1, 3, 4))
+    entry = CacheEntry(torch.tensor([5, 6, 7]), kv, 0)
+    sibling = CacheEntry(torch.tensor([5, 6, 7]), (kv[0], kv[1] + 1e-7), 0)  # decoded in another batch slot
+    stale = CacheEntry(torch.tensor([5, 6, 7]), kv, 0, weights=1)  # kept across a weight update
+    rows = [Row([5, 6, 7, 8, 9], greedy(4)) for _ in range(5)] + [Row([5, 6, 7, 8, 0], greedy(4))]
+    for row, hit in zip(rows, [Hit(entry, length=3), Hit(sibling, length=3), Hit(entry, length=3),
+                               Hit(stale, length=3), Hit(entry, length=2), Hit(entry, length=3)]):
+        row.hit = hit
+    computing, copies = split_copies(rows)
+    assert computing == [rows[0], rows[3], rows[4], rows[5]]
+    assert copies == [(0, rows[1]), (0, rows[2])]
+
+
+def test_entries_kept_across_a_weight_update_say_which_weights_computed_them(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    engine.generate_batch([[1, 504, 3459, 30]], [greedy(2)])
+    engine.update_weights([], version=1, flush_cache=False)
+    engine.generate_batch([[1, 77, 88, 99]], [greedy(2)])
+    weights = {tuple(e.ids_T[:4].tolist()): e.weights for e in engine.prefix_cache._entries.values()}
+    assert weights == {(1, 504, 3459, 30): 0, (1, 77, 88, 99): 1}

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from agentrl.rollout.kv_cache import PrefixKVCache, cache_keyword, check_cache_layout, plan_reuse
+from agentrl.rollout.kv_cache import PrefixKVCache, cache_keyword, check_cache_layout, plan_reuse, split_copies
 from agentrl.rollout.running_batch import Row, RunningBatch
 from agentrl.rollout.sampling import sample_tokens
 from agentrl.rollout.memory_saver import TAGS, MemorySaver
@@ -56,7 +56,7 @@ class HFEngine:
         self.weight_version = 0
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
-                      "joined_requests": 0, "kv_cache_bytes": 0, "kv_cache_evictions": 0}
+                      "joined_requests": 0, "copied_requests": 0, "kv_cache_bytes": 0, "kv_cache_evictions": 0}
         check_cache_layout(model)  # the running batch and the prefix cache hold plain per-layer keys and values
         self.prefix_cache = PrefixKVCache(kv_cache_bytes)  # 0 bytes turns prefix reuse off
         self.message_end_ids = frozenset(message_end_ids)  # a prompt's first message is shared (kv_cache.py)
@@ -178,27 +178,58 @@ class HFEngine:
 
     def _prefill(self, batch: RunningBatch, rows: list[Row]) -> None:
         """New rows' uncached tokens in one forward pass, their first token sampled, then they join."""
-        computed = plan_reuse(self.prefix_cache, self.model, rows, self.message_end_ids)
+        computed, rows, copies = self._plan(rows)
+        n = len(batch)
         out = self.model(**batch.join_inputs(rows), logits_to_keep=1)
-        batch.joined(self._sample(rows, out.logits[:, -1, :]))
-        self._count_join(rows, computed)
+        tokens_B = self._sample_with_copies(rows, out.logits[:, -1, :], copies, 0)
+        batch.joined(tokens_B[:len(rows)])
+        self._join_copies(batch, n, rows, copies, tokens_B, computed)
 
     def _mixed(self, batch: RunningBatch, rows: list[Row]) -> None:
         """The running rows' next token and the new rows' uncached tokens in one packed forward
         pass (packed_attention.py), the new rows' first token sampled; then they run too."""
-        computed = plan_reuse(self.prefix_cache, self.model, rows, self.message_end_ids)
+        computed, rows, copies = self._plan(rows)
+        n = len(batch)
         inputs, plan = batch.mixed_inputs(rows)
         with packed(plan):
             out = self.model(**inputs)
-        batch.mixed_done(self._sample(batch.rows + rows, out.logits[0]))
-        self._count_join(rows, computed)
+        tokens_B = self._sample_with_copies(batch.rows + rows, out.logits[0], copies, n)
+        batch.mixed_done(tokens_B[:n + len(rows)])
+        self._join_copies(batch, n, rows, copies, tokens_B, computed)
 
-    def _count_join(self, rows: list[Row], computed: int) -> None:
+    def _plan(self, rows: list[Row]) -> tuple[int, list[Row], list[tuple[int, Row]]]:
+        """What joining rows reuse (kv_cache.plan_reuse), and which of them are copies of another
+        (kv_cache.split_copies; not with prefix reuse off): (tokens the prefix passes computed,
+        rows that compute, copies)."""
+        computed = plan_reuse(self.prefix_cache, self.model, rows, self.message_end_ids)
+        if self.prefix_cache.budget_bytes == 0:
+            return computed, rows, []
+        computing, copies = split_copies(rows)
+        return computed, computing, copies
+
+    def _sample_with_copies(self, rows: list[Row], logits_BV: torch.Tensor, copies: list[tuple[int, Row]],
+                            offset: int) -> torch.Tensor:
+        """Tokens for `rows` (their logits) and then for each copy, from the logits of the joining row
+        it copies (at `offset` + its index): one draw for all, in slot order."""
+        if copies:
+            sources = torch.tensor([offset + i for i, _ in copies], device=logits_BV.device)
+            logits_BV = torch.cat([logits_BV, logits_BV[sources]])
+            rows = rows + [row for _, row in copies]
+        return self._sample(rows, logits_BV)
+
+    def _join_copies(self, batch: RunningBatch, n: int, rows: list[Row], copies: list[tuple[int, Row]],
+                     tokens_B: torch.Tensor, computed: int) -> None:
+        """The copies join after the rows they copy (now at n + index), then the join is counted: a
+        copy's tokens count as reused, like a cache hit's."""
+        if copies:
+            batch.copy_rows([n + i for i, _ in copies], [row for _, row in copies], tokens_B[-len(copies):])
+        everyone = rows + [row for _, row in copies]
         self.stats["batches"] += 1
-        self.stats["requests"] += len(rows)
-        cached = sum(r.hit.length for r in rows)
-        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in rows) - cached + computed
-        self.stats["cached_tokens"] += cached - computed
+        self.stats["requests"] += len(everyone)
+        self.stats["copied_requests"] += len(copies)
+        prefilled = sum(len(r.prompt) - r.hit.length for r in rows) + computed
+        self.stats["prefill_tokens"] += prefilled
+        self.stats["cached_tokens"] += sum(len(r.prompt) for r in everyone) - prefilled
 
     def _step(self, batch: RunningBatch) -> None:
         """One token for every running row."""
@@ -270,6 +301,8 @@ class HFEngine:
             if flush_cache:
                 self.prefix_cache.clear()
                 self.stats["kv_cache_bytes"] = 0
+            else:  # kept entries are reused, but never taken for what the new weights compute
+                self.prefix_cache.weights += 1
             for name, tensor in named_tensors:
                 targets[name].copy_(tensor)
             self.weight_version = version

@@ -46,6 +46,7 @@ class CacheEntry:
     kv: KV
     nbytes: int
     shared: bool = False  # a first message, reused only by `plan_reuse`'s split (`shared_prefix`)
+    weights: int = 0  # the cache's `weights` when stored: which weights computed it
 
 
 @dataclass
@@ -104,6 +105,7 @@ class PrefixKVCache:
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
+        self.weights = 0  # counts weight updates that kept the entries (`flush_cache=False`)
         self.bytes = 0
         self.evictions = 0
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
@@ -163,7 +165,7 @@ class PrefixKVCache:
             return
         if replaces is not None and replaces in self._entries:
             self.bytes -= self._entries.pop(replaces).nbytes
-        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), kv, nbytes, shared)
+        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), kv, nbytes, shared, self.weights)
         self._next_key += 1
         self.bytes += nbytes
         while self.bytes > self.budget_bytes:
@@ -221,6 +223,38 @@ def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list,
                 row.hit = Hit(CacheEntry(torch.tensor(prefix), kv, 0), length=len(prefix))
             computed += len(prefix) - (split if first is not None else 0)
     return computed
+
+
+def split_copies(rows: list) -> tuple[list, list[tuple[int, object]]]:
+    """Rows about to join (their hits set by `plan_reuse`), split into the rows that compute and
+    the copies: rows with the same prompt as an earlier row, reusing as many of its tokens' keys
+    and values computed by the same weights. A GRPO group's episodes often sample the same tool
+    call, get the same tool output and come back with the same next prompt; a copy takes its row's
+    keys, values and next-token logits instead of computing them again (`RunningBatch.copy_rows`)
+    and draws its own token from them. Two such rows' reused keys and values differ at most by the
+    rounding of the batch slots their turns were decoded in (about 1e-7 in float32), which every
+    row's numbers already have from the batch it is decoded in. Returns (computing rows,
+    [(index of the computing row a copy takes after, copy)])."""
+    computing: list = []
+    copies: list[tuple[int, object]] = []
+    first: dict[tuple[int, ...], int] = {}
+    for row in rows:
+        key = tuple(row.prompt)
+        i = first.get(key)
+        if i is not None and _same_reuse(computing[i].hit, row.hit):
+            copies.append((i, row))
+            continue
+        first.setdefault(key, len(computing))
+        computing.append(row)
+    return computing, copies
+
+
+def _same_reuse(a: Hit, b: Hit) -> bool:
+    """Whether two hits of one prompt reuse its first tokens' keys and values from the same weights
+    (a hit's tokens are the prompt's: only the length and the weights can differ)."""
+    if a.length != b.length or a.entry is b.entry:
+        return a.length == b.length
+    return a.entry is not None and b.entry is not None and a.entry.weights == b.entry.weights
 
 
 def prefix_pass(model: torch.nn.Module, ids: list[int], past: KV | None) -> KV:

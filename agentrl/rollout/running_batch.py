@@ -18,6 +18,8 @@ exactly the columns holding its row's tokens, in order; other columns hold stale
   The rows' layout within the block is `[pad | cached | pad | new]`, with the mask hiding both gaps
   and position ids counting only real tokens, which is what each row would see alone (keys carry
   their rotary positions from when they were computed). The running rows are not touched.
+- A row that would compute exactly what a joining row does (kv_cache.split_copies) joins as a copy
+  of it after the pass: its slot gets that row's columns, mask and position.
 - A leaving row's slot is filled by the last running row (one row's columns copied), and columns no
   remaining row uses are dropped from the left by moving `start`.
 
@@ -255,6 +257,23 @@ class RunningBatch:
         self.next_pos_B = joining.next_pos_B if not self.rows else torch.cat([self.next_pos_B, joining.next_pos_B])
         self.tokens_B = tokens_B if not self.rows else torch.cat([self.tokens_B, tokens_B])
         self.rows += joining.rows
+
+    def copy_rows(self, sources: list[int], rows: list[Row], tokens_B: torch.Tensor) -> None:
+        """`rows` run from now on as copies of the running rows at `sources`, which computed what
+        they would have (kv_cache.split_copies): each takes a free slot holding its source's keys
+        and values, mask and next position, with its own last sampled token from `tokens_B`."""
+        n = len(self.rows)
+        self._reserve(n + len(rows), 0, 0)
+        for slot, source in enumerate(sources, start=n):
+            for buffer in (self.keys, self.values):
+                buffer[:, slot, :, self.start:self.end] = buffer[:, source, :, self.start:self.end]
+        index = torch.tensor(sources, device=self.mask_BT.device)
+        self.mask_BT = torch.cat([self.mask_BT, self.mask_BT[index]])
+        self.next_pos_B = torch.cat([self.next_pos_B, self.next_pos_B[index]])
+        self.tokens_B = torch.cat([self.tokens_B, tokens_B])
+        for row in rows:
+            row.hit.entry = None  # as for a placed row: the cache may evict the entry while it runs
+        self.rows += rows
 
     def row_kv(self, index: int) -> KV:
         """Copies of one row's keys and values, its tokens in order."""
