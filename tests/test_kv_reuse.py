@@ -245,8 +245,9 @@ def test_concurrent_episodes_match_no_reuse(stopping_model, tokenizer):
     requested = sum(sum(request_lengths(t.loss_mask)) for t in with_reuse)
     assert engine.stats["prefill_tokens"] + engine.stats["cached_tokens"] == requested == plain.stats["prefill_tokens"]
     assert engine.stats["prefill_tokens"] < requested / 2
-    # Greedy, so each group's two episodes are the same: every turn's second request joined as a copy.
-    assert engine.stats["copied_requests"] == 2 * 3 and plain.stats["copied_requests"] == 0
+    # Greedy, so each group's two episodes are the same: their first requests join as one and its
+    # copy; a later turn's two do when they come back in time for the same step (timing decides).
+    assert engine.stats["copied_requests"] >= 2 and plain.stats["copied_requests"] == 0
 
 
 def test_lru_eviction_under_a_tiny_budget_recomputes_the_same_output(tiny_model, tokenizer):
@@ -472,17 +473,29 @@ def test_rows_are_copies_only_when_their_prompts_and_reused_keys_are_the_same():
     stale = CacheEntry(torch.tensor([5, 6, 7]), kv, 0, weights=1)  # kept across a weight update
     rows = [Row([5, 6, 7, 8, 9], greedy(4)) for _ in range(5)] + [Row([5, 6, 7, 8, 0], greedy(4))]
     for row, hit in zip(rows, [Hit(entry, length=3), Hit(sibling, length=3), Hit(entry, length=3),
-                               Hit(stale, length=3), Hit(entry, length=2), Hit(entry, length=3)]):
+                               Hit(stale, length=3, weights=1), Hit(entry, length=2), Hit(entry, length=3)]):
         row.hit = hit
     computing, copies = split_copies(rows)
     assert computing == [rows[0], rows[3], rows[4], rows[5]]
     assert copies == [(0, rows[1]), (0, rows[2])]
 
 
-def test_entries_kept_across_a_weight_update_say_which_weights_computed_them(tiny_model):
+def test_entries_kept_across_a_weight_update_say_the_oldest_weights_they_hold(tiny_model):
     engine = HFEngine(tiny_model, pad_token_id=2)
-    engine.generate_batch([[1, 504, 3459, 30]], [greedy(2)])
+    first = [1, 504, 3459, 30]
+    done = engine.generate_batch([first], [greedy(2)])[0].token_ids
     engine.update_weights([], version=1, flush_cache=False)
     engine.generate_batch([[1, 77, 88, 99]], [greedy(2)])
-    weights = {tuple(e.ids_T[:4].tolist()): e.weights for e in engine.prefix_cache._entries.values()}
-    assert weights == {(1, 504, 3459, 30): 0, (1, 77, 88, 99): 1}
+    engine.generate_batch([first + done + [11]], [greedy(2)])  # extends the kept entry: its keys are the old weights'
+    weights = {tuple(e.ids_T[:4].tolist()): (len(e.ids_T), e.weights) for e in engine.prefix_cache._entries.values()}
+    assert weights == {(1, 504, 3459, 30): (len(first) + len(done) + 2, 0), (1, 77, 88, 99): (5, 1)}
+
+
+def test_copies_of_a_prompt_over_the_whole_budget_compute_its_prefix_once(tiny_model):
+    prompt = list(range(3, 40))
+    engine = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=10_000)  # less than one prompt's keys and values
+    completions = engine.generate_batch([prompt] * 3, [greedy(3)] * 3)
+    assert len(engine.prefix_cache) == 0 and engine.stats["copied_requests"] == 2
+    assert engine.stats["prefill_tokens"] == len(prompt)  # the prefix pass, then the last token once
+    alone = HFEngine(tiny_model, pad_token_id=2, kv_cache_bytes=0).generate_batch([prompt], [greedy(3)])[0]
+    assert all(c.token_ids == alone.token_ids for c in completions)

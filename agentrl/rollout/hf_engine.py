@@ -259,7 +259,8 @@ class HFEngine:
         for i, row in enumerate(batch.rows):
             if row.done and self.prefix_cache.budget_bytes > 0:
                 self.prefix_cache.store(row.fed_ids(), batch.row_kv(i),
-                                        replaces=row.hit.key if row.hit.covers_entry else None)
+                                        replaces=row.hit.key if row.hit.covers_entry else None,
+                                        weights=row.hit.weights if row.hit.length else None)
         batch.keep([i for i, row in enumerate(batch.rows) if not row.done])
         self.stats["kv_cache_bytes"] = self.prefix_cache.bytes
         self.stats["kv_cache_evictions"] = self.prefix_cache.evictions

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -46,7 +46,7 @@ class CacheEntry:
     kv: KV
     nbytes: int
     shared: bool = False  # a first message, reused only by `plan_reuse`'s split (`shared_prefix`)
-    weights: int = 0  # the cache's `weights` when stored: which weights computed it
+    weights: int = 0  # the oldest of the cache's `weights` its keys and values were computed under
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Hit:
     key: int = -1
     length: int = 0
     covers_entry: bool = False  # the entry is a prefix of the request: its successor replaces it
+    weights: int = 0  # the entry's `weights`: what an entry extending this hit is computed under, at the oldest
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -139,10 +140,10 @@ class PrefixKVCache:
                 whole = key, entry
         if extended is not None:
             key, entry = extended
-            hit = Hit(entry, key, min(len(entry.ids_T), len(ids) - 1), covers_entry=True)
+            hit = Hit(entry, key, min(len(entry.ids_T), len(ids) - 1), covers_entry=True, weights=entry.weights)
         elif whole is not None:
             key, entry = whole
-            hit = Hit(entry, key, len(ids) - 1)
+            hit = Hit(entry, key, len(ids) - 1, weights=entry.weights)
         else:
             return Hit()
         self._entries.move_to_end(key)
@@ -157,15 +158,18 @@ class PrefixKVCache:
                 return entry
         return None
 
-    def store(self, ids: list[int], kv: KV, replaces: int | None = None, shared: bool = False) -> None:
+    def store(self, ids: list[int], kv: KV, replaces: int | None = None, shared: bool = False,
+              weights: int | None = None) -> None:
         """Add an entry (dropping `replaces`, an entry it extends), then evict down to the budget.
-        An entry larger than the whole budget is not kept."""
+        An entry larger than the whole budget is not kept. `weights`: the oldest weights its keys
+        and values come from, when some were reused (default: the current ones)."""
         nbytes = sum(t.numel() * t.element_size() for t in kv) + 8 * len(ids)
         if nbytes > self.budget_bytes:
             return
         if replaces is not None and replaces in self._entries:
             self.bytes -= self._entries.pop(replaces).nbytes
-        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), kv, nbytes, shared, self.weights)
+        self._entries[self._next_key] = CacheEntry(torch.tensor(ids), kv, nbytes, shared,
+                                                   self.weights if weights is None else weights)
         self._next_key += 1
         self.bytes += nbytes
         while self.bytes > self.budget_bytes:
@@ -197,18 +201,21 @@ def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list,
     the message is computed the same way whether this row or an earlier one with the same message
     computed it, and only once. A first message no other prompt shares costs one more pass and an
     entry nobody reuses. A prefix too large for the whole budget is not kept, and its row alone
-    reuses what its pass computed (it used to compute it all again when it joined). Returns the
-    tokens of the rows' hits that these passes computed."""
+    reuses what its pass computed (it used to compute it all again when it joined), as do the rows
+    after it with the same prompt. Returns the tokens of the rows' hits that these passes computed."""
     for row in rows:
         row.hit = cache.reusable(row.prompt)
     if cache.budget_bytes == 0:
         return 0
     computed = 0
+    unkept: dict[tuple[int, ...], Hit] = {}  # prefixes over the whole budget, computed in this call
     for row in rows:
         if row.hit.length or len(row.prompt) < 2:
             continue
         row.hit = cache.reusable(row.prompt)  # a row before it may have stored it
-        if not row.hit.length:
+        if not row.hit.length and tuple(row.prompt) in unkept:
+            row.hit = replace(unkept[tuple(row.prompt)])  # its own: placing a row lets go of its hit's entry
+        elif not row.hit.length:
             prefix = row.prompt[:-1]
             split = split_point(prefix, message_end_ids)
             first = cache.shared_prefix(prefix[:split]) if split else None
@@ -217,10 +224,12 @@ def plan_reuse(cache: PrefixKVCache, model: torch.nn.Module, rows: list,
                 past = prefix_pass(model, prefix[:split], None)
                 cache.store(prefix[:split], past, shared=True)
             kv = prefix_pass(model, prefix[split:], past)
-            cache.store(prefix, kv)
+            weights = first.weights if first is not None else cache.weights
+            cache.store(prefix, kv, weights=weights)
             row.hit = cache.reusable(row.prompt)
             if not row.hit.length:  # over the whole budget, so not kept
-                row.hit = Hit(CacheEntry(torch.tensor(prefix), kv, 0), length=len(prefix))
+                entry = CacheEntry(torch.tensor(prefix), kv, 0, weights=weights)
+                row.hit = unkept[tuple(row.prompt)] = Hit(entry, length=len(prefix), weights=weights)
             computed += len(prefix) - (split if first is not None else 0)
     return computed
 
@@ -231,10 +240,10 @@ def split_copies(rows: list) -> tuple[list, list[tuple[int, object]]]:
     and values computed by the same weights. A GRPO group's episodes often sample the same tool
     call, get the same tool output and come back with the same next prompt; a copy takes its row's
     keys, values and next-token logits instead of computing them again (`RunningBatch.copy_rows`)
-    and draws its own token from them. Two such rows' reused keys and values differ at most by the
-    rounding of the batch slots their turns were decoded in (about 1e-7 in float32), which every
-    row's numbers already have from the batch it is decoded in. Returns (computing rows,
-    [(index of the computing row a copy takes after, copy)])."""
+    and draws its own token from them. Two such rows' reused keys and values are one computation
+    done in different batch slots: they differ at most by the rounding that the batch a row is
+    decoded in already gives every row's numbers (about 1e-7 in float32, bf16's own rounding in
+    bf16). Returns (computing rows, [(index of the computing row a copy takes after, copy)])."""
     computing: list = []
     copies: list[tuple[int, object]] = []
     first: dict[tuple[int, ...], int] = {}
@@ -252,9 +261,7 @@ def split_copies(rows: list) -> tuple[list, list[tuple[int, object]]]:
 def _same_reuse(a: Hit, b: Hit) -> bool:
     """Whether two hits of one prompt reuse its first tokens' keys and values from the same weights
     (a hit's tokens are the prompt's: only the length and the weights can differ)."""
-    if a.length != b.length or a.entry is b.entry:
-        return a.length == b.length
-    return a.entry is not None and b.entry is not None and a.entry.weights == b.entry.weights
+    return a.length == b.length and (a.entry is b.entry or a.weights == b.weights)
 
 
 def prefix_pass(model: torch.nn.Module, ids: list[int], past: KV | None) -> KV:
