@@ -1,4 +1,4 @@
-# make quickstart  SFT warm-up, GRPO, then held-out accuracy of the SFT and the RL model (2-core CPU: ~7-10 min with bf16, ~12-15 without, set-up included)
+# make quickstart  SFT warm-up, GRPO, then held-out accuracy of the SFT and the RL model (2-core CPU: ~5-9 min with bf16, ~13-17 without, set-up included)
 # make test       set up .venv on a fresh machine (CPU torch first), the Debian packages tests use, and run the suite
 # make rollout    run the small CPU rollout recipe with SmolLM2-135M-Instruct
 # make bench      run the benchmarks in bench/ (vs_trl.py sets up TRL in .venv-trl on first use)
