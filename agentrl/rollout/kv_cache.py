@@ -57,7 +57,7 @@ class Hit:
     key: int = -1
     length: int = 0
     covers_entry: bool = False  # the entry is a prefix of the request: its successor replaces it
-    weights: int = 0  # the entry's `weights`: what an entry extending this hit is computed under, at the oldest
+    weights: int = 0  # the entry's `weights`: what an entry stored after reusing this hit holds keys from
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
