@@ -18,9 +18,9 @@ only its new tokens, and prompts that open with the same message of at least 64 
 prompt with tool schemas; `message_end_ids` says where a chat message ends) compute it once.
 Requests joining together that would compute the same (a group's episodes back from the same tool
 call with the same next prompt) compute it once: the others join as copies and draw their own
-tokens from it (kv_cache.split_copies). A weight update with `flush_cache` drops that cache. Models with sliding-window or linear-attention
-layers are refused at construction: neither the running batch's slots nor the prefix cache
-represent keys a layer drops.
+tokens from it (kv_cache.split_copies). A weight update with `flush_cache` drops that cache.
+Models with sliding-window or linear-attention layers are refused at construction: neither the
+running batch's slots nor the prefix cache represent keys a layer drops.
 """
 
 from __future__ import annotations

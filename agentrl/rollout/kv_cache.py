@@ -261,7 +261,7 @@ def split_copies(rows: list) -> tuple[list, list[tuple[int, object]]]:
 def _same_reuse(a: Hit, b: Hit) -> bool:
     """Whether two hits of one prompt reuse its first tokens' keys and values from the same weights
     (a hit's tokens are the prompt's: only the length and the weights can differ)."""
-    return a.length == b.length and (a.entry is b.entry or a.weights == b.weights)
+    return a.length == b.length and a.weights == b.weights
 
 
 def prefix_pass(model: torch.nn.Module, ids: list[int], past: KV | None) -> KV:
