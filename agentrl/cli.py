@@ -217,6 +217,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
     args.own_command_line = argv is None  # sys.argv: the command may be re-executed as typed
+    Terminated.latest = None  # a signal of an earlier main() in this process says nothing of this one
     # Without this, atexit and finally blocks never run. Not for the servers: uvicorn handles its signals.
     for signum in (signal.SIGTERM, signal.SIGHUP) if args.func is _recipe_command else ():
         if signal.getsignal(signum) == signal.SIG_DFL:
@@ -229,13 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         print(f"agentrl: error: {e}", file=sys.stderr)
         return 1
-    except Terminated as e:
-        print(f"agentrl: terminated by {signal.Signals(e.signum).name}{': ' + e.cause if e.cause else ''}",
-              file=sys.stderr)
-        return 128 + e.signum  # as a shell reports a command ended by that signal
-    except KeyboardInterrupt:
-        print("agentrl: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        terminated = Terminated.behind(e)
+        if terminated is None:
+            print("agentrl: interrupted", file=sys.stderr)
+            return 130
+        cause = f": {terminated.cause}" if terminated.cause else ""
+        print(f"agentrl: terminated by {signal.Signals(terminated.signum).name}{cause}", file=sys.stderr)
+        return 128 + terminated.signum  # as a shell reports a command ended by that signal
 
 
 if __name__ == "__main__":

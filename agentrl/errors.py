@@ -20,7 +20,18 @@ class Terminated(KeyboardInterrupt):
     SGLang server is stopped. A KeyboardInterrupt, so no plug-in's `sys.exit()` handling takes it
     for one call's failure."""
 
+    # The latest one raised in this process. Ray's ray.get and ray.wait check for signals while they
+    # block and turn whatever the handler raised into a plain KeyboardInterrupt: a SIGTERM that
+    # landed there was reported as a Ctrl-C (status 130). The CLI finds the signal here.
+    latest: "Terminated | None" = None
+
     def __init__(self, signum: int, cause: str = ""):
         super().__init__(signum)
         self.signum = signum
         self.cause = cause  # said after the signal's name, when the signal has a known sender
+        Terminated.latest = self
+
+    @staticmethod
+    def behind(interrupt: KeyboardInterrupt) -> "Terminated | None":
+        """The Terminated that `interrupt` is or stands for: a library may have replaced it."""
+        return interrupt if isinstance(interrupt, Terminated) else Terminated.latest

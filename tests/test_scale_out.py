@@ -337,6 +337,55 @@ def test_sigterm_to_a_ray_run_stops_it_like_ctrl_c(tmp_path, tiny_model_dir, env
         process.wait()
 
 
+SIGNAL_IN_RAY_WAIT = '''
+import os, signal, sys, threading, time
+from pathlib import Path
+import ray
+from agentrl import cli
+from agentrl.trainer.launch import restore_signal_handlers, start_local_ray
+from agentrl.trainer.ray_groups import Supervisor
+
+started = Path(sys.argv[1])
+
+@ray.remote
+def step():
+    started.write_text("1")
+    time.sleep(120)
+
+def send_sigterm_once_waiting():
+    while not started.exists():
+        time.sleep(0.05)
+    time.sleep(1.0)  # the driver is blocked in ray.wait, which checks for signals every few milliseconds
+    os.kill(os.getpid(), signal.SIGTERM)
+
+def command(args):
+    handlers = {signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
+    start_local_ray([{"CPU": 1.0}])
+    restore_signal_handlers(handlers)
+    try:
+        threading.Thread(target=send_sigterm_once_waiting, daemon=True).start()
+        Supervisor(600).wait([step.remote()], ["trainer rank 0"], "the update")
+    finally:
+        ray.shutdown()
+    return 0
+
+cli._recipe_command = command
+sys.exit(cli.main(["train", "recipes/quickstart.yaml"]))
+'''
+
+
+def test_sigterm_while_the_driver_waits_on_ray_is_reported_as_sigterm(tmp_path, env, ray_tmp):
+    """ray.wait and ray.get run the signal handlers while they block and raise a plain
+    KeyboardInterrupt in place of what the handler raised: a SIGTERM that landed there (where a Ray
+    run's driver spends most of its time) ended the run as a Ctrl-C, status 130 and "interrupted".
+    Here the SIGTERM lands in the real Supervisor's ray.wait every time."""
+    process = subprocess.run([sys.executable, "-c", SIGNAL_IN_RAY_WAIT, str(tmp_path / "started")],
+                             capture_output=True, text=True, env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
+    assert (tmp_path / "started").exists()
+    assert process.returncode == 143, process.stderr[-3000:]
+    assert process.stderr.splitlines()[-1] == "agentrl: terminated by SIGTERM"
+
+
 def test_a_recipe_error_found_inside_a_ray_worker_exits_as_a_recipe_error(tmp_path, tiny_model_dir, env):
     # Found only when the policy builds its adapters: exit 2 naming the key, as on the local backend,
     # not a worker failure (exit 1).
