@@ -152,6 +152,10 @@ def _load_dataset(name: str, split: str, files: list[str] | None = None, files_k
     `files`, or a hub dataset id."""
     import datasets
 
+    # datasets counts each load of its file builders (csv, json, parquet) with an HTTP request to
+    # S3: reading a local task file sent traffic off the machine, and waited out the request's
+    # timeout where there is no network. Only the count is lost.
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     if files is None and Path(name).is_file():  # not a dataset name: datasets would say it is not found
         raise ConfigError(f"data.source: '{name}' is a file; give it as data.source: files, data.files: [{name}]")
     if files is not None and all([_no_rows(name, f) for f in files]):  # every file checked, not up to one with rows

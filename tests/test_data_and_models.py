@@ -284,6 +284,32 @@ def test_csv_cells_are_read_as_written(tmp_path):
     assert [t.answer for t in dataset_tasks("files", [str(path)], "train", "question", "answer")] == ["0012"]
 
 
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+def test_reading_a_local_task_file_sends_no_request(tmp_path, monkeypatch, suffix):
+    """datasets counted each load of its csv, json and parquet builders with a HEAD request to
+    s3.amazonaws.com: a training run reading its own task file went to the network (and, with no
+    network, waited for the request to fail)."""
+    import datasets.load
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    requests: list[str] = []
+
+    class Session:
+        def head(self, url, **kwargs):
+            requests.append(url)
+
+    monkeypatch.setattr(datasets.load, "get_session", Session)
+    path = tmp_path / f"tasks.{suffix}"
+    if suffix == "csv":
+        path.write_text("question,answer\nq1,1\n")
+    else:
+        pq.write_table(pa.table({"question": ["q1"], "answer": ["1"]}), path)
+    assert [(t.prompt, t.answer) for t in dataset_tasks("files", [str(path)], "train", "question", "answer")] == [
+        ("q1", "1")]
+    assert requests == []
+
+
 def test_a_bad_csv_row_names_the_reason(tmp_path):
     path = tmp_path / "tasks.csv"
     path.write_text("question,answer\nq1,1\nq2,2,3\n")
