@@ -5,90 +5,26 @@ The tiny model has SmolLM2's vocabulary so every token id in a test is a real on
 
 from __future__ import annotations
 
-import ipaddress
-import os
 import socket
 import subprocess
 
-# Tests talk to loopback only. Every process a test starts (the agentrl command, Ray's processes,
-# Chromium) inherits these: an HTTP request to anywhere else goes to a loopback port where nothing
-# listens and fails at once, without a DNS lookup. Ray's dashboard process asks the cloud metadata
-# address (169.254.169.254) which cloud it runs on, usage statistics off or not.
-NOWHERE = "http://127.0.0.1:9"
-for _key in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-    os.environ[_key] = os.environ[_key.lower()] = NOWHERE
-os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost,::1"
+from tests import loopback_guard  # first: libraries imported below read the environment it sets
 
-import pytest  # noqa: E402  (after the environment above, which some libraries read when imported)
+import pytest  # noqa: E402
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentrl.models import load_tokenizer, provision_builtin
 from agentrl.types import Completion, SamplingParams
 
-BEYOND_LOOPBACK: list[str] = []  # what this process tried to resolve or reach elsewhere
-
-
-def is_local(host: object) -> bool:
-    """A loopback name or address, or none (a bind to every interface sends nothing)."""
-    if host is None:
-        return True
-    host = (host.decode() if isinstance(host, bytes) else str(host)).strip("[]").split("%")[0]
-    if host in ("", "localhost") or host.endswith(".localhost"):
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    address = getattr(address, "ipv4_mapped", None) or address
-    return address.is_loopback or address.is_unspecified
-
-
-def _refuse(what: str) -> OSError:
-    BEYOND_LOOPBACK.append(what)
-    return OSError(f"tests reach loopback only, not {what}")
-
-
-_getaddrinfo, _connect, _connect_ex = socket.getaddrinfo, socket.socket.connect, socket.socket.connect_ex
-
-
-def _guarded_getaddrinfo(host, *args, **kwargs):
-    if not is_local(host):
-        raise _refuse(f"a lookup of {host!r}")
-    return _getaddrinfo(host, *args, **kwargs)
-
-
-def _destination(sock: socket.socket, address: object) -> str | None:
-    if sock.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple) and not is_local(address[0]):
-        return f"a connection to {address[0]}:{address[1]}"
-    return None
-
-
-def _guarded_connect(self, address):
-    where = _destination(self, address)
-    if where:
-        raise _refuse(where)
-    return _connect(self, address)
-
-
-def _guarded_connect_ex(self, address):
-    where = _destination(self, address)
-    if where:
-        raise _refuse(where)
-    return _connect_ex(self, address)
-
-
-# In this process, a lookup or a connection beyond loopback fails before any packet is sent, and the
-# test that tried fails too (below), even where a library swallows the error (a telemetry ping).
-socket.getaddrinfo = _guarded_getaddrinfo
-socket.socket.connect, socket.socket.connect_ex = _guarded_connect, _guarded_connect_ex
-
 
 @pytest.fixture(autouse=True)
 def loopback_only():
-    before = len(BEYOND_LOOPBACK)
+    """Fails a test that resolved or connected beyond loopback (tests/loopback_guard.py)."""
+    attempts = loopback_guard.BEYOND_LOOPBACK
+    before = len(attempts)
     yield
-    assert not BEYOND_LOOPBACK[before:], f"the test reached beyond loopback: {BEYOND_LOOPBACK[before:]}"
+    assert not attempts[before:], f"the test reached beyond loopback: {attempts[before:]}"
 
 
 @pytest.fixture(scope="session")

@@ -78,7 +78,7 @@ class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if fn in NAME_LOOKUPS:  # they end by themselves (the resolver's own timeouts)
+        if fn in name_lookups():  # they end by themselves (the resolver's own timeouts)
             if future.set_running_or_notify_cancel():
                 threading.Thread(target=_settle, args=(future, lambda: fn(*args, **kwargs)),
                                  name=f"{self.name}-lookup-{next(_names)}", daemon=True).start()
@@ -112,7 +112,11 @@ class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
         return None
 
 
-NAME_LOOKUPS = (socket.getaddrinfo, socket.getnameinfo)
+def name_lookups() -> tuple[Callable[..., Any], ...]:
+    """What the loop's getaddrinfo and getnameinfo hand to the executor: socket's functions as they
+    are now, so that a wrapper installed after this module loaded (a test's network guard, an
+    instrumentation library) is still recognised."""
+    return socket.getaddrinfo, socket.getnameinfo
 
 
 def _settle(future: concurrent.futures.Future, call: Callable[[], Any]) -> None:
