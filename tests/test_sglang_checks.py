@@ -143,6 +143,8 @@ def test_a_cached_hub_id_reaches_sglang_as_the_snapshot_the_trainer_loads(tiny_m
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(snapshot.name)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    # The names not cached go to the hub: offline, it says so at once (it retried a refused connection for 24 s).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)  # no local fake/ directory
     build_engine(sglang_recipe("fake/tiny", "rollout.max_context_tokens=1024"), pad_token_id=2)
     build_engine(sglang_recipe("nobody/not-cached", "rollout.max_context_tokens=1024"), pad_token_id=2)
