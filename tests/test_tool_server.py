@@ -279,16 +279,17 @@ def test_named_creates_run_once_and_creates_in_flight_count_against_the_cap(tmp_
         bad = create("a/b")
         assert bad.status_code == 422 and bad.json()["detail"].startswith("invalid request: body.instance_id:")
         assert client.delete("/instances/episode-0001").json() == {"error": None}
-        # Two slots, three creates of 1 s at once: the third is refused although none has finished yet.
+        # Two slots, three creates of 2 s at once: the third is refused although none has finished yet.
+        # They start 0.3 s apart, so that they reach the server in order on a loaded machine too.
         statuses: dict[int, int] = {}
 
         def create_slowly(i: int) -> None:
-            statuses[i] = create(f"episode-100{i}", seconds=1.0).status_code
+            statuses[i] = create(f"episode-100{i}", seconds=2.0).status_code
 
         threads = [threading.Thread(target=create_slowly, args=(i,)) for i in range(3)]
         for thread in threads:
             thread.start()
-            time.sleep(0.1)
+            time.sleep(0.3)
         other = create("episode-1000", tool="nap")  # still being created, by another tool
         assert (other.status_code, other.json()) == (409, {"detail": "instance 'episode-1000' exists or is being created"})
         for thread in threads:
