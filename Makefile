@@ -12,9 +12,9 @@ STAMP := $(VENV)/.installed
 
 # Debian packages. For every CPU run: tcmalloc (agentrl/allocator.py: about 1.5x on a training
 # step). For the tests too: headless Chromium for the trajectory viewer, bubblewrap for the python
-# tool's sandbox.
+# tool's sandbox, strace to see what the rendezvous of training ranks sends.
 RUNTIME_PACKAGES := libtcmalloc-minimal4
-SYSTEM_PACKAGES := $(RUNTIME_PACKAGES) chromium chromium-driver bubblewrap
+SYSTEM_PACKAGES := $(RUNTIME_PACKAGES) chromium chromium-driver bubblewrap strace
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)

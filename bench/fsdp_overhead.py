@@ -28,7 +28,6 @@ import os
 import queue
 import random
 import resource
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 import torch.multiprocessing as mp
 
 from agentrl.allocator import use_tcmalloc
+from agentrl.trainer.distributed import open_rendezvous, remove_rendezvous
 
 from machine import Steal, machine_line
 
@@ -57,7 +57,7 @@ def make_batch(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[in
     return sequences, masks, advantages
 
 
-def run_side(rank: int, world_size: int, threads: int, port: int, args: argparse.Namespace,
+def run_side(rank: int, world_size: int, threads: int, rendezvous: str, args: argparse.Namespace,
              results: mp.Queue) -> None:
     """One process of one side: build the worker, one warm-up and `args.steps` timed updates."""
     torch.set_num_threads(threads)
@@ -68,7 +68,7 @@ def run_side(rank: int, world_size: int, threads: int, port: int, args: argparse
     from agentrl.trainer.policy import PolicyWorker
 
     ranks = Ranks(rank, world_size)
-    init_process_group(ranks, "127.0.0.1", port, "cpu", TIMEOUT_S)
+    init_process_group(ranks, rendezvous, "cpu", TIMEOUT_S)
     torch.manual_seed(0)
     pad_id = load_tokenizer(args.model).pad_token_id
     model = load_model(args.model, "float32")
@@ -94,28 +94,30 @@ def run(world_size: int, threads: int, args: argparse.Namespace) -> tuple[list[d
     """Start the side's processes, wait for all, return their results (by rank) and the CPU share."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The ranks meet at a file, as a single-node run's do (trainer/distributed.py).
+    rendezvous, _ = open_rendezvous("127.0.0.1") if world_size > 1 else ("", None)
     steal = Steal()
-    processes = [context.Process(target=run_side, args=(r, world_size, threads, port, args, results))
+    processes = [context.Process(target=run_side, args=(r, world_size, threads, rendezvous, args, results))
                  for r in range(world_size)]
     for process in processes:
         process.start()
     collected = []
     deadline = time.monotonic() + 900
-    while len(collected) < world_size:
-        try:
-            collected.append(results.get(timeout=5))
-        except queue.Empty:  # check that nobody died
-            dead = [p for p in processes if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for process in processes:
-                    process.kill()
-                raise SystemExit(f"the side with {world_size} process(es) failed: exit codes "
-                                 f"{[p.exitcode for p in processes]}")
-    for process in processes:
-        process.join()
+    try:
+        while len(collected) < world_size:
+            try:
+                collected.append(results.get(timeout=5))
+            except queue.Empty:  # check that nobody died
+                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    for process in processes:
+                        process.kill()
+                    raise SystemExit(f"the side with {world_size} process(es) failed: exit codes "
+                                     f"{[p.exitcode for p in processes]}")
+        for process in processes:
+            process.join()
+    finally:
+        remove_rendezvous(rendezvous)
     return sorted(collected, key=lambda r: r["rank"]), steal.stop()
 
 

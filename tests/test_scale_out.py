@@ -83,14 +83,17 @@ def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_pa
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "config.yaml").write_text("name: earlier\n")
     (tmp_path / "ray" / "workers.json").write_text('{"policy rank 0": 1}')
+    (tmp_path / "tmp").mkdir()  # where rank 0 of each role leaves its rendezvous file
     for backend, extra in (("local", []), ("ray", ["trainer.world_size=2"])):
         out = tmp_path / backend
         done = subprocess.run(train_command(tiny_model_dir, out, "trainer.steps=1", "algorithm.kl_coef=0.01",
                                             "algorithm.entropy_coef=0.01",
                                             f"trainer.backend={backend}", *extra),
-                              capture_output=True, text=True, timeout=600, env={**env, "RAY_TMPDIR": ray_tmp})
+                              capture_output=True, text=True, timeout=600,
+                              env={**env, "RAY_TMPDIR": ray_tmp, "TMPDIR": str(tmp_path / "tmp")})
         assert done.returncode == 0, done.stderr[-3000:]
         runs[backend] = out
+    assert list((tmp_path / "tmp").glob("agentrl-rendezvous-*")) == []  # the run removed what it made
     local, ray = metrics(runs["local"])[0], metrics(runs["ray"])[0]
     assert trajectories(runs["ray"], 1) == trajectories(runs["local"], 1)  # one engine replica, same seed
     assert local["loss"] != 0 and local["grad_norm"] > 0
@@ -193,18 +196,21 @@ def listening_beyond_loopback(pids: list[int]) -> set[str]:
     return {str(local) for state, local, _ in tcp_sockets(pids) if state == "0A" and not local.is_loopback}
 
 
-def test_a_killed_worker_stops_the_run_within_a_minute_naming_it(tmp_path, tiny_model_dir, env):
-    out = tmp_path / "run"
+def test_a_killed_worker_stops_the_run_within_a_minute_naming_it(tmp_path, tiny_model_dir, env, ray_tmp):
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
     process = subprocess.Popen(train_command(tiny_model_dir, out, "trainer.backend=ray", "trainer.world_size=2",
                                              "trainer.steps=1000"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**env, "RAY_TMPDIR": ray_tmp, "TMPDIR": str(tmp)}, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
             assert process.poll() is None, process.stderr.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        # The policy's two ranks met at a file (a TCP store asks DNS for the name of 127.0.0.1).
+        assert len(list(tmp.glob("agentrl-rendezvous-*"))) == 1
         workers = json.loads((out / "workers.json").read_text())
         # Ray and the process groups talk over loopback only, and nothing of the run (Ray's own
         # processes, the ranks, the rendezvous store of each role's rank 0) listens anywhere else.
@@ -221,6 +227,7 @@ def test_a_killed_worker_stops_the_run_within_a_minute_naming_it(tmp_path, tiny_
     assert process.returncode == 1
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("agentrl: error: policy rank 1 failed during ") and "died" in last, last
+    assert list(tmp.glob("agentrl-rendezvous-*")) == []  # the driver removed it as it tore the run down
     assert stopped_after < 60, stopped_after
 
 

@@ -15,11 +15,10 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentrl.trainer.critic import CriticWorker, ValueModel
-from agentrl.trainer.distributed import Ranks
+from agentrl.trainer.distributed import Ranks, open_rendezvous, remove_rendezvous
 from agentrl.trainer.logprobs import padded_micro_batches, token_logprobs
 from agentrl.trainer.packing import PackedRow, enable_packing, pack_cost
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker, batched_logprobs
-from tests.conftest import free_port
 
 PROMPT_TOKENS = 20
 
@@ -66,14 +65,14 @@ def steps(ranks: Ranks = Ranks()) -> dict:
     return out
 
 
-def rank_main(rank: int, port: int, results) -> None:
+def rank_main(rank: int, rendezvous: str, results) -> None:
     import torch.distributed as dist
 
     from agentrl.trainer.distributed import init_process_group
 
     torch.set_num_threads(1)
     ranks = Ranks(rank, 2)
-    init_process_group(ranks, "127.0.0.1", port, "cpu", timeout_s=10.0)  # a mismatch fails, not hangs
+    init_process_group(ranks, rendezvous, "cpu", timeout_s=10.0)  # a mismatch fails, not hangs
     try:
         results.put((rank, steps(ranks)))
     except Exception as error:
@@ -118,8 +117,8 @@ def test_two_gloo_ranks_with_different_micro_batches_give_the_single_process_ste
         torch.set_num_threads(threads)
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=rank_main, args=(rank, port, results)) for rank in range(2)]
+    rendezvous, _ = open_rendezvous("127.0.0.1")
+    processes = [context.Process(target=rank_main, args=(rank, rendezvous, results)) for rank in range(2)]
     for process in processes:
         process.start()
     try:
@@ -129,6 +128,7 @@ def test_two_gloo_ranks_with_different_micro_batches_give_the_single_process_ste
             process.join(10)
             if process.is_alive():
                 process.kill()
+        remove_rendezvous(rendezvous)
     assert all(isinstance(answer, dict) for answer in answers.values()), answers
     for rank, rows in ((0, [0]), (1, [1, 2])):
         for key in ("policy_logprobs", "reference_logprobs"):

@@ -20,9 +20,12 @@ import math
 import os
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Iterable, Iterator
+from urllib.parse import unquote, urlsplit
 
 import torch
 import torch.distributed as dist
@@ -80,9 +83,9 @@ def is_loopback(address: str) -> bool:
 
 
 def rendezvous_socket(address: str, port: int = 0) -> socket.socket:
-    """A listening socket for rank 0's rendezvous store, at `port` (0: a free one). torch's own store
-    listens on every interface: a single-node run whose ranks meet at a loopback address listens on
-    that address alone. Otherwise ranks on other nodes connect at this node's address, and the socket
+    """A listening socket for rank 0's TCP rendezvous store, at `port` (0: a free one). torch's own
+    store listens on every interface: ranks that meet at a loopback address get a socket on that
+    address alone. Otherwise ranks on other nodes connect at this node's address, and the socket
     listens on every interface, as torch's store would."""
     if is_loopback(address):
         host = "127.0.0.1" if address == "localhost" else address.strip("[]")
@@ -92,28 +95,73 @@ def rendezvous_socket(address: str, port: int = 0) -> socket.socket:
     return socket.create_server(("", port))
 
 
-def init_process_group(ranks: Ranks, address: str, port: int, device_type: str, timeout_s: float,
-                       listener: socket.socket | None = None) -> None:
-    """Join the role's process group: gloo on CPU, nccl on CUDA, with a timeout on every collective.
+def file_rendezvous() -> str:
+    """A fresh, empty file for torch's FileStore, as a file:// URL. Whoever made it removes it once
+    the ranks are gone (remove_rendezvous): torch removes it only when every rank's store is
+    destroyed, which a rank killed, or one whose interpreter exits without collecting it, never does."""
+    fd, path = tempfile.mkstemp(prefix="agentrl-rendezvous-")
+    os.close(fd)
+    return Path(path).as_uri()
 
-    Rank 0 serves the rendezvous store on `listener`, a socket already listening at address:port
-    (rendezvous_socket), which the store takes over; without one it binds one here. A caller that
-    chose the port by binding it keeps it bound until now, so nothing else can take it in between.
-    The other ranks connect to address:port."""
+
+def remove_rendezvous(rendezvous: str) -> None:
+    """Remove a file rendezvous's file (a TCP one leaves nothing behind). Only once its ranks are
+    gone: torch's store opens the file by name for each operation."""
+    url = urlsplit(rendezvous)
+    if url.scheme == "file":
+        Path(unquote(url.path)).unlink(missing_ok=True)
+
+
+def open_rendezvous(address: str) -> tuple[str, socket.socket | None]:
+    """Where one role's ranks meet, chosen by rank 0 (on the node at `address`) before the others
+    join: a URL for init_process_group, and the socket rank 0 already listens on for TCP.
+
+    Ranks that meet at a loopback address all run on this machine, and meet at a file
+    (file_rendezvous), so the store opens no socket at all. torch's TCPStore would not stay on the
+    machine there: its client connects over IPv6 to ::ffff:127.0.0.1 and names that address with
+    getnameinfo, which sends a reverse-DNS query to the system's name server where /etc/hosts has
+    no line for the v4-mapped address (most machines), once per rank. Ranks on several nodes meet
+    over TCP at rank 0's node address (tcp://address:port), on a port bound now and kept bound
+    until rank 0's store takes it over, so nothing else can take it in between."""
+    if is_loopback(address):
+        return file_rendezvous(), None
+    listener = rendezvous_socket(address)
+    host = address.strip("[]")
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{listener.getsockname()[1]}", listener
+
+
+def init_process_group(ranks: Ranks, rendezvous: str, device_type: str, timeout_s: float,
+                       listener: socket.socket | None = None) -> None:
+    """Join the role's process group at `rendezvous` (open_rendezvous): gloo on CPU, nccl on CUDA,
+    with a timeout on the rendezvous and on every collective.
+
+    At a tcp:// rendezvous rank 0 serves the store on `listener`, a socket already listening at
+    address:port (rendezvous_socket), which the store takes over; without one it binds one here,
+    and the other ranks connect to address:port. At a file:// rendezvous every rank opens the
+    same file."""
     if not ranks.distributed or dist.is_initialized():
         if listener is not None:
             listener.close()
         return
-    address = address.strip("[]")  # an IPv6 address as a URL writes it: TCPStore takes it bare
-    if device_type == "cpu" and is_loopback(address):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep single-node traffic on loopback
+    url = urlsplit(rendezvous)
     timeout = timedelta(seconds=timeout_s)
-    if ranks.rank == 0:
-        listener = listener or rendezvous_socket(address, port)
-        store = dist.TCPStore(address, listener.getsockname()[1], ranks.world_size, is_master=True, timeout=timeout,
-                              master_listen_fd=listener.detach())
+    if url.scheme == "file":
+        store = dist.FileStore(unquote(url.path), ranks.world_size)
+        store.set_timeout(timeout)
+        single_node = True
+    elif url.scheme == "tcp" and url.hostname and url.port:
+        address = url.hostname  # an IPv6 address without its brackets, as TCPStore takes it
+        single_node = is_loopback(address)
+        if ranks.rank == 0:
+            listener = listener or rendezvous_socket(address, url.port)
+            store = dist.TCPStore(address, listener.getsockname()[1], ranks.world_size, is_master=True,
+                                  timeout=timeout, master_listen_fd=listener.detach())
+        else:
+            store = dist.TCPStore(address, url.port, ranks.world_size, is_master=False, timeout=timeout)
     else:
-        store = dist.TCPStore(address, port, ranks.world_size, is_master=False, timeout=timeout)
+        raise ValueError(f"rendezvous {rendezvous!r}: expected file:///path or tcp://host:port")
+    if device_type == "cpu" and single_node:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep single-node traffic on loopback
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=ranks.rank,
                             world_size=ranks.world_size, timeout=timeout)
 

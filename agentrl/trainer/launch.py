@@ -6,9 +6,9 @@ Placement: one bundle (`trainer.cpus_per_worker` CPUs, and a GPU on CUDA) per tr
 colocated mode rank i's bundle also holds engine replica i (as in verl's hybrid engine and
 OpenRLHF's colocation; the engine releases its memory while the trainer runs); in the split mode the
 replicas get bundles of their own. Each role's ranks form their own process group (FSDP2 over gloo
-on CPU, nccl on GPU), joined at rank 0's node address, where rank 0's actor binds the rendezvous
-port when the role starts and keeps it until its store takes it over (on 127.0.0.1 alone for the
-run's own Ray, distributed.rendezvous_socket).
+on CPU, nccl on GPU), joined where rank 0's actor says when the role starts
+(distributed.open_rendezvous): a file for the run's own Ray, whose ranks all run on this machine,
+else rank 0's node address, at a port it binds then and keeps until its store takes it over.
 
 A Ray the run starts itself is told the machine has at least the bundles' CPUs, so that a recipe
 asking for more ranks than there are cores still runs (a warning says so, and each actor's torch
@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from agentrl.config import RecipeConfig
 from agentrl.errors import RunFailed
 from agentrl.rollout.worker import RolloutWorker
-from agentrl.trainer.distributed import Ranks, init_process_group, rendezvous_socket
+from agentrl.trainer.distributed import Ranks, init_process_group, open_rendezvous, remove_rendezvous
 from agentrl.trainer.ray_groups import RaySink, Supervisor, WorkerGroup
 from agentrl.trainer.roles import Roles, check_ray_settings, make_critic, make_policy, make_reference, ray_address_parts
 from agentrl.types import Task, Trajectory
@@ -68,16 +68,17 @@ class RoleActor:
         """(node address, this process's pid)."""
         return ray.util.get_node_ip_address(), os.getpid()
 
-    def listen(self) -> int:
-        """Rank 0's rendezvous port, bound and listening from now until `setup` hands it to the store."""
-        self._listener = rendezvous_socket(ray.util.get_node_ip_address())
-        return self._listener.getsockname()[1]
+    def rendezvous(self) -> str:
+        """Rank 0's choice of where its role's ranks meet (a TCP port stays bound and listening from
+        now until `setup` hands it to the store)."""
+        url, self._listener = open_rendezvous(ray.util.get_node_ip_address())
+        return url
 
-    def setup(self, factory: Callable[..., Any], config: RecipeConfig, pad_id: int, ranks: Ranks, address: str,
-              port: int, join_group: bool) -> None:
+    def setup(self, factory: Callable[..., Any], config: RecipeConfig, pad_id: int, ranks: Ranks,
+              rendezvous: str, join_group: bool) -> None:
         if join_group:
             listener, self._listener = self._listener, None
-            init_process_group(ranks, address, port, config.trainer.device.split(":")[0],
+            init_process_group(ranks, rendezvous, config.trainer.device.split(":")[0],
                                config.trainer.collective_timeout_s, listener)
         self.worker = factory(config, pad_id, ranks)
 
@@ -157,6 +158,7 @@ class RayRoles(Roles):
         self.supervisor = Supervisor(t.call_timeout_s)
         self.actors: list[tuple[str, Any]] = []
         self.pids: dict[str, int] = {}
+        self.rendezvous: list[str] = []  # where each role's ranks met, removed once they are gone
         try:
             self._place()
         except BaseException:
@@ -211,12 +213,13 @@ class RayRoles(Roles):
             self.supervisor.watch(actor, labels[-1])
         nodes = self.supervisor.wait([a.node.remote() for a in actors], labels, "start-up")
         self.pids.update({label: pid for label, (_, pid) in zip(labels, nodes)})
-        address = nodes[0][0]
         trains = role != "rollout"  # training ranks form a process group; engine replicas are independent
-        port = (self.supervisor.wait([actors[0].listen.remote()], labels[:1], "start-up")[0]
-                if trains and len(actors) > 1 else 0)
+        rendezvous = (self.supervisor.wait([actors[0].rendezvous.remote()], labels[:1], "start-up")[0]
+                      if trains and len(actors) > 1 else "")
+        if rendezvous:
+            self.rendezvous.append(rendezvous)
         self.supervisor.wait([a.setup.remote(factory, self.config, self.tokenizer.pad_token_id, Ranks(i, len(actors)),
-                                             address, port, trains) for i, a in enumerate(actors)], labels, "set-up")
+                                             rendezvous, trains) for i, a in enumerate(actors)], labels, "set-up")
         return actors
 
     def worker_table(self) -> dict[str, int]:
@@ -274,6 +277,9 @@ class RayRoles(Roles):
             ray.wait(closing, num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
         for _, actor in actors:
             ray.kill(actor, no_restart=True)
+        # A file rendezvous is on this machine (its ranks met at a loopback address, distributed.py).
+        for rendezvous in getattr(self, "rendezvous", []):
+            remove_rendezvous(rendezvous)
         # The run's own Ray takes its placement group down with it. Asking for the removal would
         # wait on its GCS, which a signal to the whole process group (a closed terminal) has ended
         # already: Ray's client retries for 60 s, then ends the driver with status 1.
