@@ -160,7 +160,7 @@ class SGLangConfig(_Section):
     mode: Literal["in_process", "server"] = Field(
         "in_process", description="'in_process' (sglang.Engine, weights passed as tensors) or 'server' (HTTP).")
     url: str | None = Field(None, description="Server mode: a running server's URL (null: launch one on 127.0.0.1).")
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs of the engine.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs of the engine (a server given by URL: its own count).")
     mem_fraction: float = Field(0.5, gt=0, lt=1, description="Share of GPU memory for weights and KV cache.")
     max_total_tokens: int | None = Field(None, ge=64, description="KV-cache size in tokens (null: from mem_fraction).")
     attention_backend: str | None = Field(

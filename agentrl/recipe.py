@@ -66,6 +66,14 @@ def check_training(config: RecipeConfig) -> None:
         raise ConfigError(f"trainer.placement 'colocated' puts each engine beside a training rank: "
                           f"trainer.engine_replicas ({t.engine_replicas}) must not exceed trainer.world_size "
                           f"({t.world_size})")
+    e = config.engine
+    if e.name == "sglang" and e.sglang.mode == "server" and e.sglang.url and t.engine_replicas > 1:
+        # Each replica releases and resumes its engine's memory around every update: SGLang's
+        # scheduler stops at a resume of a region it has resumed already (a KeyError in its tags).
+        raise ConfigError(f"engine.sglang.url gives one SGLang server, and each of the trainer.engine_replicas "
+                          f"({t.engine_replicas}) replicas would release, resume and update it on its own: SGLang "
+                          "stops at the second resume; set trainer.engine_replicas to 1, or leave engine.sglang.url "
+                          "unset to launch a server for each replica")
 
 
 def training_warnings(config: RecipeConfig) -> list[str]:

@@ -188,7 +188,7 @@ def test_the_engines_read_the_limit_where_sglang_keeps_it():
     assert "tokenizer_manager.max_req_input_len = scheduler_init_result.scheduler_infos[" in \
         sglang_source("entrypoints/engine.py")
     server_args = sglang_source("server_args.py")
-    for field in ("enable_memory_saver", "device"):
+    for field in ("enable_memory_saver", "device", "tp_size"):
         assert re.search(rf"^    {field}: ", server_args, re.M), field
 
 
@@ -299,6 +299,31 @@ def test_by_value_a_request_carries_at_most_update_bucket_bytes_for_all_ranks(se
         assert 4 * sum(t.nbytes for _, t in tensors) <= 64
         received += [(name, t.tolist()) for name, t in tensors]
     assert received == [(name, [float(i)] * 4) for i, name in enumerate("abcd")]
+
+
+def test_a_given_servers_own_tensor_parallel_size_decides_the_payloads_per_request(server):
+    """The recipe's engine.sglang.tp_size (1 by default) says nothing of a server started apart: a
+    tp 2 server's rank 1 found no payload of its own and the scheduler stopped the server."""
+    server.info["tp_size"] = 2
+    engine = SGLangServerEngine("http://gpu-host:30000", {"tp_size": 1}, update_bucket_bytes=64)
+    assert engine.tp_size == 2
+    engine.update_weights(iter([("a", torch.ones(4)), ("b", torch.zeros(4))]), version=1, flush_cache=False)
+    bodies = [body for _, path, body in server.requests if path == "/update_weights_from_tensor"]
+    assert [len(body["serialized_named_tensors"]) for body in bodies] == [2]  # 2 × 32 bytes fit in 64
+
+
+def test_one_given_server_for_several_replicas_is_a_recipe_error(tiny_model_dir):
+    with pytest.raises(ConfigError, match=re.escape(
+            "engine.sglang.url gives one SGLang server, and each of the trainer.engine_replicas (2) replicas would "
+            "release, resume and update it on its own: SGLang stops at the second resume; set "
+            "trainer.engine_replicas to 1, or leave engine.sglang.url unset to launch a server for each replica")):
+        load_recipe(None, [f"model.path={tiny_model_dir}", "engine.name=sglang", "engine.sglang.mode=server",
+                           "engine.sglang.url=http://gpu-host:30000", "trainer.backend=ray", "trainer.world_size=2",
+                           "trainer.engine_replicas=2"], for_training=True)
+    launched = load_recipe(None, [f"model.path={tiny_model_dir}", "engine.name=sglang", "engine.sglang.mode=server",
+                                  "trainer.backend=ray", "trainer.world_size=2", "trainer.engine_replicas=2"],
+                           for_training=True)  # a server launched for each replica
+    assert launched.trainer.engine_replicas == 2
 
 
 def test_sglang_reads_one_payload_per_rank():

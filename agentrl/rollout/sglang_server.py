@@ -135,6 +135,9 @@ class SGLangServerEngine:
             raise
         # The longest prompt the scheduler accepts (a longer one is aborted), as the server reports it.
         self.max_req_input_len: int | None = self.server_info.get("max_req_input_len")
+        # Each of the server's tensor-parallel ranks reads its own payload of a weight update: a given
+        # server's own count decides, not the recipe's (a rank without one fails and stops the server).
+        self.tp_size = int(self.server_info.get("tp_size") or self.tp_size)
 
     def _failure(self, route: str, cause: str) -> RuntimeError:
         where = f"SGLang server at {self.url}: {route} failed ({cause})"
