@@ -284,6 +284,49 @@ def test_handles_are_pickled_once_per_rank(server, monkeypatch):
     assert pickled == [(["a", "b"], True)] * 2 + [(["c"], True)] * 2  # buckets of 32 bytes: handles are small
 
 
+def test_a_handle_names_its_gpu_by_uuid_so_a_server_that_numbers_gpus_otherwise_opens_the_same_one(monkeypatch):
+    """torch's handle holds the sender's index of the device: device 0 here is device 1 in a server
+    started with CUDA_VISIBLE_DEVICES=1,0. CUDA cannot run here, so torch's reduction of a CUDA
+    tensor is replaced by one that answers as it does (rebuild_cuda_tensor and its arguments)."""
+    from torch.multiprocessing import reductions
+
+    def reduce_cuda(tensor):
+        return reductions.rebuild_cuda_tensor, (torch.Tensor, (4,), (1,), 0, torch.float32, None, 0, b"handle", 16, 0)
+
+    from multiprocessing.reduction import ForkingPickler
+
+    monkeypatch.setattr(reductions, "reduce_tensor", reduce_cuda)
+    for kind in (torch.Tensor, torch.nn.Parameter):  # where torch registered its reduction for pickles
+        monkeypatch.setitem(ForkingPickler._extra_reducers, kind, reduce_cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(uuid=f"5c1f0a2e-uuid-of-{device}"))
+    rebuilt = []
+
+    class Receiver(pickle.Unpickler):  # SGLang's scheduler rebuilds each tensor from these arguments
+        def find_class(self, module, name):
+            if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+                return lambda *args: rebuilt.append(args) or name
+            return super().find_class(module, name)
+
+    payload = sglang_server.serialize_bucket([("a", torch.ones(4)), ("b", torch.nn.Parameter(torch.ones(4)))],
+                                             by_handle=True)
+    assert Receiver(io.BytesIO(base64.b64decode(payload))).load() == [("a", "rebuild_cuda_tensor"),
+                                                                      ("b", "rebuild_cuda_tensor")]
+    assert [args[6] for args in rebuilt] == ["5c1f0a2e-uuid-of-0"] * 2
+    assert [args[7] for args in rebuilt] == [b"handle"] * 2  # the rest as torch gave it
+
+
+def test_sglang_maps_a_handles_gpu_uuid_to_its_own_device():
+    """SGLang's rank patches torch's rebuild before it reads its payload; the patched rebuild takes
+    the device at the same place, as an index or a UUID."""
+    worker = sglang_source("managers/tp_worker.py")
+    assert re.search(r"monkey_patch_torch_reductions\(\)\s*return MultiprocessingSerializer\.deserialize\(", worker)
+    patch = sglang_source("utils/patch_torch.py")
+    assert "_REDUCE_TENSOR_ARG_DEVICE_INDEX = 6" in patch
+    assert "args = _modify_tuple(args, _REDUCE_TENSOR_ARG_DEVICE_INDEX, _device_from_maybe_uuid)" in patch
+    assert "if str(torch.cuda.get_device_properties(device).uuid) == device_maybe_uuid:" in patch
+
+
 def test_by_value_a_request_carries_at_most_update_bucket_bytes_for_all_ranks(server):
     """By value the body holds the bucket's bytes once per rank: with tp_size 4 a 64-byte bucket
     made a request of 256 bytes of tensors."""

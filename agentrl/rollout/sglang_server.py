@@ -12,7 +12,8 @@ server's exit code and log tail): a dead server stops the run instead of hanging
 
 Weights go by where the server is and where the tensors are (`weight_transfer="auto"`):
 - CUDA tensors, loopback server: /update_weights_from_tensor with pickled CUDA IPC handles, as
-  SGLang's own HTTP client sends them (no copy; the server must be on the same GPUs).
+  SGLang's own HTTP client sends them, each naming its GPU by UUID (no copy; the server must see
+  the same GPUs, in any order).
 - CPU tensors, loopback server: /update_weights_from_disk from safetensors shards in a temporary
   directory. Handles cannot work here (a CPU tensor's handle is a file descriptor only the sender's
   own child processes can receive), and the bytes in the JSON body are slow: base64 plus SGLang's
@@ -92,6 +93,25 @@ def _retry(error: httpx.TransportError, attempt: int, retries: int, deadline: fl
             and time.monotonic() + 0.5 * 2**attempt < deadline)
 
 
+# Where torch's reduction of a CUDA tensor puts the index of the tensor's device (reduce_tensor's
+# arguments to rebuild_cuda_tensor); SGLang's own sender replaces it at the same place.
+_HANDLE_DEVICE_ARG = 6
+
+
+def _reduce_naming_the_gpu(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """torch's reduction of a tensor, with a CUDA tensor's device given by its GPU's UUID instead of
+    this process's index for it. A device index means another device in a server started with
+    another CUDA_VISIBLE_DEVICES; SGLang's scheduler maps a UUID to its own index for that GPU (and
+    names the UUID when it cannot see that GPU), as it does for its own sender's handles."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor and isinstance(args[_HANDLE_DEVICE_ARG], int):
+        uuid = str(torch.cuda.get_device_properties(args[_HANDLE_DEVICE_ARG]).uuid)
+        args = (*args[:_HANDLE_DEVICE_ARG], uuid, *args[_HANDLE_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
 def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], by_handle: bool) -> str:
     """base64 of a pickle SGLang's scheduler unpickles: CUDA IPC handles, or the tensors' bytes."""
     buffer = io.BytesIO()
@@ -99,7 +119,9 @@ def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], by_handle: bool) ->
         importlib.import_module("torch.multiprocessing")  # registers torch's handle reductions with ForkingPickler
         from multiprocessing.reduction import ForkingPickler
 
-        ForkingPickler(buffer).dump(bucket)
+        pickler = ForkingPickler(buffer)
+        pickler.dispatch_table[torch.Tensor] = pickler.dispatch_table[torch.nn.Parameter] = _reduce_naming_the_gpu
+        pickler.dump(bucket)
     else:
         pickle.dump([(name, t.cpu()) for name, t in bucket], buffer)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
