@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from agentrl.algos.advantages import (gae_advantages, group_baseline, grpo_advantages, reinforce_pp_advantages,
-                                      rloo_advantages)
+from agentrl.algos.advantages import (gae_advantages, group_baseline, grpo_advantages, masked_whiten,
+                                      reinforce_pp_advantages, rloo_advantages)
 from agentrl.algos.losses import (aggregate, entropy_from_logits, kl_estimate, ppo_policy_loss,
                                  truncated_importance_weights, value_loss)
 
@@ -78,6 +78,15 @@ def test_reinforce_pp_whitens_over_trained_tokens():
     close(reinforce_pp_advantages(returns, mask), torch.tensor([[0.65 / s, 0.75 / s, 0], [-0.75 / s, -0.65 / s, 0]]),
           atol=1e-5, rtol=0)
     assert torch.equal(reinforce_pp_advantages(torch.zeros(2, 3), mask), torch.zeros(2, 3))  # nothing to learn: 0
+
+
+@pytest.mark.parametrize("value", [0.1, 0.7, 6.1])
+def test_whitening_equal_values_gives_zero_advantages(value):
+    # 2000 equal returns: their float32 mean is off by a rounding error, which the eps-sized
+    # variance scaled up to the same nonzero advantage on every token (6e-4 at 0.7, 5e-3 at 6.1)
+    returns, mask = torch.full((2, 1000), value), torch.ones(2, 1000)
+    assert reinforce_pp_advantages(returns, mask).abs().max().item() < 1e-9
+    assert masked_whiten(returns, mask).dtype == torch.float32
 
 
 def test_gae_by_hand_skips_tool_tokens():

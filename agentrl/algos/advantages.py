@@ -102,8 +102,13 @@ def gae_advantages(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: t
 
 
 def masked_whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Zero-mean unit-variance over the mask-1 entries (PPO advantage normalisation)."""
-    m = mask_BT.to(x_BT.dtype)
-    mean = (x_BT * m).sum() / m.sum().clamp(min=1)
-    var = (((x_BT - mean) * m) ** 2).sum() / m.sum().clamp(min=1)
-    return (x_BT - mean) * torch.rsqrt(var + eps) * m
+    """Zero-mean unit-variance over the mask-1 entries (PPO advantage normalisation).
+
+    The statistics are taken in float64: in float32 the mean of a thousand equal values is off by
+    a rounding error that the eps-sized variance then scales up, and every token got the same
+    spurious advantage (up to 5e-3 for values near 6) where all should be 0."""
+    x = x_BT.double()
+    m = mask_BT.to(torch.float64)
+    mean = (x * m).sum() / m.sum().clamp(min=1)
+    var = (((x - mean) * m) ** 2).sum() / m.sum().clamp(min=1)
+    return ((x - mean) * torch.rsqrt(var + eps) * m).to(x_BT.dtype)
