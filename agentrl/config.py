@@ -223,7 +223,9 @@ class AlgorithmConfig(_Section):
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="How per-token losses become one number.")
-    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1.")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ratio clip below 1: ratios are held at "
+                                                           "1 - clip_low or above, so it must be below 1 (1 or "
+                                                           "more would clip nothing).")
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (DAPO clip-higher: larger).")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound for negative advantages (null: off).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference model (0: no reference).")

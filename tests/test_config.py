@@ -42,6 +42,8 @@ def test_recipe_and_overrides():
     ("engine.name=sglang engine.seed=4294967296", "engine.seed 4294967296 is too large for SGLang"),
     ("engine.name=sglang engine.seed=4294967295 trainer.engine_replicas=2", "engine.seed + trainer.engine_replicas - 1 "
                                                                            "must be below 2**32"),
+    # a lower bound 1 - clip_low of 0 or less clips no ratio: the clip was silently off
+    ("algorithm.clip_low=1", "algorithm.clip_low: Input should be less than 1"),
     ("data.arithmetic.max_digits=200", "data.arithmetic.max_digits: Input should be less than or equal to 50"),
     ("name=..", "name '..' names the output directory runs/<name> (output_dir unset), so it must be one directory "
                 "name (no '/', not empty, '.' or '..')"),
