@@ -402,3 +402,39 @@ def test_a_recipe_error_found_inside_a_ray_worker_exits_as_a_recipe_error(tmp_pa
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("agentrl: error: policy rank 0: model.lora.target_modules") and "nope_proj" in last
+
+
+# The run's own Ray as the driver starts it (roles.ray_environment before ray is imported), one
+# task through it, and a wait in which the dashboard process runs its usage module.
+PRIVATE_RAY = '''
+import time
+from agentrl.trainer.roles import ray_environment
+ray_environment(private=True)
+import ray
+from agentrl.trainer.launch import start_local_ray
+start_local_ray([{"CPU": 1.0}])
+print(ray.get(ray.remote(lambda: 41 + 1).remote()))
+time.sleep(3)
+ray.shutdown()
+'''
+
+
+def test_the_runs_own_ray_sends_nothing_beyond_loopback(env, ray_tmp, tmp_path):
+    """Ray's dashboard process asked 169.254.169.254 twice which cloud it runs on, and the system's
+    name server for metadata.google.internal, on every run, usage reporting off or not. The suite
+    gives every process it starts a refusing proxy (tests/loopback_guard.py); this run goes
+    without, as a user's does, and is read from outside with strace."""
+    from tests.loopback_guard import is_local
+    from tests.test_rendezvous import addresses_reached, strace_works
+
+    if not strace_works():
+        pytest.skip("strace is missing or cannot trace here: apt-get install -y strace")
+    plain = {key: value for key, value in env.items() if not key.lower().endswith("_proxy")}
+    trace = tmp_path / "trace"
+    done = subprocess.run(["strace", "--seccomp-bpf", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg",
+                           "-o", str(trace), sys.executable, "-c", PRIVATE_RAY],
+                          capture_output=True, text=True, env={**plain, "RAY_TMPDIR": ray_tmp}, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["42"], done.stderr[-3000:]
+    reached = addresses_reached(trace.read_text())
+    assert "127.0.0.1" in reached  # the trace saw Ray's own connections
+    assert {address for address in reached if not is_local(address)} == set()

@@ -23,13 +23,14 @@ The driver then tears every actor down; nothing is left waiting in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -327,5 +328,43 @@ def start_local_ray(bundles: list[dict[str, float]]) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cpus = max(sum(b.get("CPU", 0.0) for b in bundles), float(os.cpu_count() or 1))
     gpus = sum(b.get("GPU", 0.0) for b in bundles)
-    ray.init(address="local", num_cpus=int(cpus + 0.999), num_gpus=int(gpus), include_dashboard=False,
-             namespace="agentrl", _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+    with dashboard_kept_home():
+        ray.init(address="local", num_cpus=int(cpus + 0.999), num_gpus=int(gpus), include_dashboard=False,
+                 namespace="agentrl", _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+
+
+# A proxy address where nothing listens (the discard port): a request sent to it is refused at once.
+REFUSING_PROXY = "http://127.0.0.1:9"
+LOOPBACK_NAMES = "127.0.0.1,localhost,::1"
+
+
+@contextlib.contextmanager
+def dashboard_kept_home() -> Iterator[None]:
+    """While Ray starts, its dashboard process is given a proxy that refuses. Even without a
+    dashboard, and with usage reporting off, that process runs Ray's usage module, which on start
+    asks the cloud metadata endpoints which cloud it runs on: two HTTP requests to 169.254.169.254
+    and a DNS lookup of metadata.google.internal, the only traffic of a private Ray that leaves the
+    machine. Ray has no setting for it; its HTTP client takes the proxy from the environment and
+    gives up at the refusal. The process's own connections (to the GCS on 127.0.0.1, over gRPC,
+    which reads the same variables) pass by the no-proxy list. No other process gets the variables:
+    the workers' tools may need the network. Should Ray's private start_ray_process move, Ray starts
+    as before (and the requests leave again)."""
+    try:
+        from ray._private import ray_constants, services
+        original = services.start_ray_process
+    except (ImportError, AttributeError):
+        yield
+        return
+    proxy = {name: REFUSING_PROXY for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
+    proxy |= {name: LOOPBACK_NAMES for name in ("no_proxy", "NO_PROXY")}
+
+    def start_ray_process(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
+        if process_type == ray_constants.PROCESS_TYPE_DASHBOARD:
+            kwargs["env_updates"] = {**(kwargs.get("env_updates") or {}), **proxy}
+        return original(command, process_type, *args, **kwargs)
+
+    services.start_ray_process = start_ray_process
+    try:
+        yield
+    finally:
+        services.start_ray_process = original
