@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +79,21 @@ def test_token_pieces_concatenate_to_the_decoded_text(tokenizer):
     assert "\ufffd" not in "".join(pieces)
 
 
+def offline(chromium: str, directory: Path) -> str:
+    """A launcher that starts Chromium in a network namespace of its own, where no interface is up,
+    or Chromium itself where user namespaces are not allowed. Chromium checks whether IPv6 reaches
+    anywhere with a UDP socket connected to a public resolver's address, which no flag turns off;
+    the pages it is shown are files, so it needs no network at all. ChromeDriver speaks to it over a
+    pipe (--remote-debugging-pipe): the namespace's loopback is not the test's."""
+    unshare = shutil.which("unshare")
+    if not unshare or subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode != 0:
+        return chromium
+    launcher = directory / "chromium-offline"
+    launcher.write_text(f'#!/bin/sh\nexec {shlex.quote(unshare)} -rn {shlex.quote(chromium)} "$@"\n')
+    launcher.chmod(0o755)
+    return str(launcher)
+
+
 @pytest.fixture(scope="module")
 def browser():
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra: pip install -e .[dev]")
@@ -87,12 +104,12 @@ def browser():
         pytest.skip("headless Chromium is missing: apt-get install -y chromium chromium-driver")
 
     options = webdriver.ChromeOptions()
-    options.binary_location = chromium
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1400,1000"):
+                 "--remote-debugging-pipe", "--window-size=1400,1000"):
         options.add_argument(flag)
     with tempfile.TemporaryDirectory() as profile:
+        options.binary_location = offline(chromium, Path(profile))
         options.add_argument(f"--user-data-dir={profile}")
         # explicit driver path: selenium then never runs its driver manager (no network)
         chrome = webdriver.Chrome(service=Service(driver), options=options)
