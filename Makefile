@@ -12,9 +12,10 @@ STAMP := $(VENV)/.installed
 
 # Debian packages. For every CPU run: tcmalloc (agentrl/allocator.py: about 1.5x on a training
 # step). For the tests too: headless Chromium for the trajectory viewer, bubblewrap for the python
-# tool's sandbox, strace to see what the rendezvous of training ranks sends.
+# tool's sandbox, strace to see what training ranks and Ray send, iproute2 to bring up loopback in a
+# network namespace of a test's own (the TCP rendezvous's, where no name server can be asked).
 RUNTIME_PACKAGES := libtcmalloc-minimal4
-SYSTEM_PACKAGES := $(RUNTIME_PACKAGES) chromium chromium-driver bubblewrap strace
+SYSTEM_PACKAGES := $(RUNTIME_PACKAGES) chromium chromium-driver bubblewrap strace iproute2
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)

@@ -6,6 +6,7 @@ outside the processes: torch's store does its name lookups in C++, which no Pyth
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -18,7 +19,6 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from agentrl.trainer.distributed import Ranks, init_process_group, open_rendezvous, remove_rendezvous
-from tests.conftest import free_port
 from tests.loopback_guard import is_local
 
 # One rank: joins at argv[1] as rank argv[2] of 2, adds its rank + 1 across the group, prints the sum.
@@ -91,9 +91,39 @@ def test_ranks_on_one_machine_meet_at_a_file_and_send_nothing_beyond_loopback(tm
     assert {address for address in reached if not is_local(address)} == set(), traces[-3000:]
 
 
+# Both ranks, started inside a network namespace of their own; prints [[stdout, stderr, status], ...].
+TWO_RANKS = """
+import json, subprocess, sys
+ranks = [subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], str(rank)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for rank in range(2)]
+print(json.dumps([[*rank.communicate(timeout=120), rank.returncode] for rank in ranks]))
+"""
+
+
+def own_network() -> list[str] | None:
+    """A command prefix that runs a command in a network namespace of its own with only loopback
+    up, or None where user namespaces or iproute2 are missing."""
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if not unshare or not ip:
+        return None
+    prefix = [unshare, "-rn", "sh", "-c", f'{ip} link set lo up && exec "$0" "$@"']
+    return prefix if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0 else None
+
+
 def test_the_same_ranks_meet_over_tcp_when_given_a_tcp_rendezvous():
-    """The multi-node path: rank 0 binds the port itself when no listener is handed over."""
-    assert run_two_ranks(f"tcp://127.0.0.1:{free_port()}") == ["rank 0: 3.0", "rank 1: 3.0"]
+    """The multi-node path: rank 0 binds the port itself when no listener is handed over. In a
+    network namespace where only loopback is up: the TCP store's client asks DNS for the name of
+    the address it connects to, and there no name server can be reached."""
+    prefix = own_network()
+    if prefix is None:
+        pytest.skip("needs a network namespace of its own (unshare, and ip from iproute2): torch's TCP store "
+                    "would ask the system's name server for the name of 127.0.0.1")
+    done = subprocess.run([*prefix, sys.executable, "-c", TWO_RANKS, RANK, "tcp://127.0.0.1:29500"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = json.loads(done.stdout)
+    assert [status for _, _, status in ranks] == [0, 0], [err[-2000:] for _, err, _ in ranks]
+    assert [out.strip() for out, _, _ in ranks] == ["rank 0: 3.0", "rank 1: 3.0"]
 
 
 def test_a_rendezvous_for_ranks_on_several_nodes_is_rank_0s_address_and_a_port_bound_on_every_interface():
