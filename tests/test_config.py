@@ -173,11 +173,18 @@ GREEDY_WARNING = ("agentrl: warning: rollout.temperature 0 samples every episode
     (["model.lora.rank=8", "model.lora.dropout=0.1"], []),  # one pass: the ratio's two sides are the same pass
     ([], []),
 ])
-def test_train_warns_of_settings_that_train_but_not_as_meant_before_any_model_loads(overrides, warnings):
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", *overrides,
+def test_settings_that_train_but_not_as_meant_are_warned_of(overrides, warnings):
+    from agentrl.recipe import training_warnings
+
+    config = load_recipe("recipes/quickstart.yaml", overrides, for_training=True)
+    assert [f"agentrl: warning: {line}" for line in training_warnings(config)] == warnings
+
+
+def test_train_prints_its_warnings_before_any_model_loads():
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", "rollout.top_p=0.9",
                            "model.path=/nonexistent/model"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "/nonexistent/model" in done.stderr.splitlines()[-1]
-    assert [line for line in done.stderr.splitlines() if line.startswith("agentrl: warning:")] == warnings
+    assert [line for line in done.stderr.splitlines() if line.startswith("agentrl: warning:")] == [TOP_P_WARNING]
 
 
 def test_gae_and_rollouts_accept_single_episode_groups():
