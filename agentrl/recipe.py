@@ -231,6 +231,19 @@ def check_devices(config: RecipeConfig, keys: tuple[str, ...]) -> None:
             raise ConfigError(f"{key}: '{device}' is not available (torch {torch.__version__} sees {seen})")
 
 
+def check_sglang_on_cpu(config: RecipeConfig, training: bool) -> None:
+    """An SGLang engine on a CPU where SGLang computes with its AMX kernels runs bfloat16 only and
+    takes no weight updates (sglang_engine.check_cpu_engine): such a recipe stops here rather than
+    once the trainer's model has loaded. torch is imported only for an SGLang engine on a CPU; a
+    given server is as it was started."""
+    e = config.engine
+    if e.name != "sglang" or not e.device.startswith("cpu") or (e.sglang.mode == "server" and e.sglang.url):
+        return
+    from agentrl.rollout.sglang_engine import check_cpu_engine
+
+    check_cpu_engine(config, training)
+
+
 def check_output_dirs(config: RecipeConfig, keys: tuple[str, ...]) -> None:
     """Each directory named at `keys` (dotted) can be made and written to: it is no file, no parent
     of it is a file, and a file can be made in the nearest one that exists; or a ConfigError naming
@@ -261,7 +274,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training
                 devices: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> RecipeConfig:
     """Recipe file + overrides → validated config, or a one-line ConfigError (naming the file).
     With `for_training`, combinations that cannot train are rejected too (check_training); the
-    CUDA devices named at the dotted keys `devices` must exist (check_devices), and the
+    CUDA devices named at the dotted keys `devices` must exist (check_devices), an SGLang engine
+    among them must be one SGLang runs on this CPU (check_sglang_on_cpu), and the
     directories named at `outputs` must be ones the run can write to (check_output_dirs)."""
     source = str(path) if path else "<defaults>"
     data = read_recipe_file(path) if path is not None else {}
@@ -276,6 +290,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), for_training
         if for_training:
             check_training(config)
         check_devices(config, devices)
+        if "engine.device" in devices:
+            check_sglang_on_cpu(config, training=for_training)
         check_output_dirs(config, outputs)
     except ConfigError as e:
         raise ConfigError(f"{named_in(str(e), overrides) or source}: {e}") from None

@@ -376,6 +376,86 @@ def test_sglang_reads_one_payload_per_rank():
                      sglang_source("entrypoints/engine.py"))
 
 
+# --- a CPU where SGLang computes with its AMX kernels -----------------------------------------------
+
+FLOAT32_ON_AMX = ("model.dtype 'float32': SGLang on this CPU (it has AMX) computes with its AMX kernels, which take "
+                  "bfloat16 only (its scheduler stops at the first float32 forward pass); set model.dtype to "
+                  "bfloat16 or auto, or use engine.name hf")
+TRAINING_ON_AMX = ("engine.name 'sglang' on this CPU (it has AMX): SGLang packs its weights for its AMX kernels when "
+                   "it loads the model, and its weight updates do not pack them again (an engine updated with its "
+                   "own weights answered garbage), so a training run cannot sync its weights to it; train with "
+                   "engine.name hf, or with SGLang on a GPU")
+
+
+def amx(monkeypatch, present: bool) -> None:
+    monkeypatch.setattr(sglang_engine, "sglang_uses_amx", lambda: present)
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "rollout", "serve"])
+def test_a_float32_sglang_engine_on_a_cpu_with_amx_stops_at_the_recipe(tiny_model_dir, monkeypatch, command):
+    """On such a CPU the scheduler died with '"rmsnorm_kernel" not implemented for 'Float'', after
+    the trainer's model had loaded."""
+    amx(monkeypatch, True)
+    args = ["recipes/quickstart.yaml", f"model.path={tiny_model_dir}", "engine.name=sglang", "model.dtype=float32"]
+    with pytest.raises(ConfigError, match="^" + re.escape(f"override 'model.dtype=float32': {FLOAT32_ON_AMX}") + "$"):
+        load_recipe(args[0], args[1:], for_training=command == "train", devices=cli.DEVICE_KEYS[command])
+    given = load_recipe(args[0], args[1:] + ["engine.sglang.mode=server", "engine.sglang.url=http://127.0.0.1:1"],
+                        for_training=command == "train", devices=cli.DEVICE_KEYS[command])
+    assert given.model.dtype == "float32"  # a given server runs as it was started
+    amx(monkeypatch, False)
+    assert load_recipe(args[0], args[1:], devices=cli.DEVICE_KEYS[command]).model.dtype == "float32"
+
+
+def test_training_with_sglang_on_a_cpu_with_amx_stops_at_the_recipe_and_rollouts_run(tiny_model_dir, monkeypatch):
+    amx(monkeypatch, True)
+    args = [f"model.path={tiny_model_dir}", "engine.name=sglang", "model.dtype=bfloat16"]
+    for mode in ("in_process", "server"):  # a server the run launches is on this CPU too
+        with pytest.raises(ConfigError, match="^" + re.escape(f"override 'engine.name=sglang': {TRAINING_ON_AMX}") + "$"):
+            load_recipe("recipes/quickstart.yaml", args + [f"engine.sglang.mode={mode}"], for_training=True,
+                        devices=cli.DEVICE_KEYS["train"])
+    for command in ("eval", "rollout", "serve"):
+        assert load_recipe("recipes/quickstart.yaml", args, devices=cli.DEVICE_KEYS[command]).engine.name == "sglang"
+    on_gpu = load_recipe("recipes/quickstart.yaml", args + ["engine.device=cuda"], for_training=True)
+    assert on_gpu.engine.device == "cuda"  # no device check asked for: the AMX check is about the CPU only
+    amx(monkeypatch, False)
+    assert load_recipe("recipes/quickstart.yaml", args, for_training=True,
+                       devices=cli.DEVICE_KEYS["train"]).engine.name == "sglang"
+
+
+def test_sglang_uses_amx_where_the_cpu_has_it_and_sgl_kernel_is_installed(monkeypatch):
+    for has_amx, installed, uses in ((True, True, True), (True, False, False), (False, True, False)):
+        monkeypatch.setattr(sglang_engine, "cpu_bf16_support", lambda: {"amx": has_amx, "avx512_bf16": True})
+        monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if installed else None)
+        assert sglang_engine.sglang_uses_amx() is uses
+
+
+def test_auto_is_bfloat16_for_sglang_on_a_cpu_with_amx_and_probed_elsewhere(tiny_model_dir, in_process, monkeypatch):
+    probed = []
+    monkeypatch.setattr(sglang_engine, "choose_dtype",
+                        lambda dtype, device: probed.append(dtype) or types.SimpleNamespace(dtype="float32"))
+    amx(monkeypatch, True)
+    build_engine(sglang_recipe(tiny_model_dir, "model.dtype=auto", "rollout.max_context_tokens=1024"), pad_token_id=2)
+    build_engine(sglang_recipe(tiny_model_dir, "model.dtype=bfloat16", "rollout.max_context_tokens=1024"),
+                 pad_token_id=2)
+    assert [args["dtype"] for args in in_process.started] == ["bfloat16", "bfloat16"] and probed == []
+    amx(monkeypatch, False)
+    build_engine(sglang_recipe(tiny_model_dir, "model.dtype=auto", "rollout.max_context_tokens=1024"), pad_token_id=2)
+    build_engine(sglang_recipe(tiny_model_dir, "model.dtype=float32", "rollout.max_context_tokens=1024"),
+                 pad_token_id=2)
+    assert [args["dtype"] for args in in_process.started[2:]] == ["float32", "float32"]
+    assert probed == ["auto", "float32"]
+
+
+def test_sglangs_cpu_rmsnorm_takes_its_amx_kernel_whatever_the_dtype():
+    """What engine_dtype stands on: with AMX, forward_cpu calls sgl_kernel's rmsnorm_cpu, with no
+    check of the input's dtype (and that kernel is built for bfloat16 and float16 only)."""
+    layernorm = sglang_source("layers/layernorm.py")
+    assert "_is_cpu_amx_available = cpu_has_amx_support()" in layernorm
+    forward_cpu = layernorm.split("    def forward_cpu(", 1)[1].split("    def forward_", 1)[0]
+    assert re.search(r"if _is_cpu_amx_available:\n(.*\n)*?\s+return torch\.ops\.sgl_kernel\.rmsnorm_cpu\(", forward_cpu)
+    assert "dtype" not in forward_cpu.split("else:", 1)[0]
+
+
 # --- a failing scheduler ------------------------------------------------------------------------
 
 class RecordingSGLang:

@@ -35,7 +35,7 @@ import torch
 
 from agentrl.config import RecipeConfig, SGLangConfig
 from agentrl.errors import ConfigError, Terminated
-from agentrl.hardware import choose_dtype
+from agentrl.hardware import choose_dtype, cpu_bf16_support
 from agentrl.models import local_model_path
 from agentrl.rollout.engine import Engine
 from agentrl.types import Completion, SamplingParams
@@ -71,6 +71,44 @@ def server_args(model_path: str, device: str, dtype: str, seed: int, s: SGLangCo
     if cpu:
         args["disable_overlap_schedule"] = True  # overlap needs a device stream to hide the CPU work behind
     return {**args, **s.extra_args}
+
+
+def sglang_uses_amx() -> bool:
+    """Whether SGLang on this CPU computes with its AMX kernels: it does wherever the CPU has AMX
+    and its CPU kernel package (sgl_kernel) is installed."""
+    return cpu_bf16_support()["amx"] and importlib.util.find_spec("sgl_kernel") is not None
+
+
+def check_cpu_engine(config: RecipeConfig, training: bool, amx: bool | None = None) -> None:
+    """What SGLang cannot do on a CPU where it computes with its AMX kernels (`amx`: probed when
+    None), as a ConfigError before it starts. Those kernels take bfloat16 only: its RMSNorm kernel
+    has no float32 version, and a float32 engine's scheduler died at its first forward pass
+    ("rmsnorm_kernel" not implemented for 'Float'). And SGLang packs its linear layers' weights
+    for them as it loads the model, which its weight updates do not do again: an engine updated
+    with its own weights, from tensors, answered garbage, and one updated from disk kept its
+    linear layers as they were. So a training run, which syncs weights after every step, cannot
+    use it there; rollouts and evaluations can."""
+    if torch.device(config.engine.device).type != "cpu" or not (sglang_uses_amx() if amx is None else amx):
+        return
+    if config.model.dtype == "float32":
+        raise ConfigError("model.dtype 'float32': SGLang on this CPU (it has AMX) computes with its AMX kernels, "
+                          "which take bfloat16 only (its scheduler stops at the first float32 forward pass); set "
+                          "model.dtype to bfloat16 or auto, or use engine.name hf")
+    if training:
+        raise ConfigError("engine.name 'sglang' on this CPU (it has AMX): SGLang packs its weights for its AMX "
+                          "kernels when it loads the model, and its weight updates do not pack them again (an "
+                          "engine updated with its own weights answered garbage), so a training run cannot sync "
+                          "its weights to it; train with engine.name hf, or with SGLang on a GPU")
+
+
+def engine_dtype(config: RecipeConfig, amx: bool | None = None) -> str:
+    """The dtype SGLang runs the model in (model.dtype): bfloat16 where SGLang computes with its AMX
+    kernels (check_cpu_engine; no probe for 'auto': float32 is no choice there), else model.dtype
+    as the trainer resolves it."""
+    if torch.device(config.engine.device).type == "cpu" and (sglang_uses_amx() if amx is None else amx):
+        check_cpu_engine(config, training=False, amx=True)
+        return "bfloat16"
+    return choose_dtype(config.model.dtype, config.engine.device).dtype
 
 
 def model_context_length(model_path: str) -> int | None:
@@ -344,7 +382,7 @@ def build_sglang_engine(config: RecipeConfig) -> Engine:
     if (s.mode == "in_process" or s.url is None) and importlib.util.find_spec("sglang") is None:
         raise ConfigError("engine.name 'sglang': SGLang is not installed here (on GPUs: pip install "
                           "\"agentrl[sglang]\"; on CPU: the environment `make test-sglang` builds)")
-    dtype = choose_dtype(config.model.dtype, config.engine.device).dtype
+    dtype = engine_dtype(config)
     args = server_args(local_model_path(config.model.path), config.engine.device, dtype, config.engine.seed, s)
     if s.mode == "in_process" or s.url is None:  # a given server runs with its own arguments: checked at connect
         check_context(config, args)  # before the engine starts, as far as its arguments tell

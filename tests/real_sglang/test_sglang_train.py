@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.real_sglang.episodes import REAL_SGLANG, record
+from tests.real_sglang.episodes import REAL_SGLANG, SYNCS_WEIGHTS, record
 
-pytestmark = REAL_SGLANG
+pytestmark = [*REAL_SGLANG, SYNCS_WEIGHTS]
 
 REWARD_PLUGIN = '''
 def length_parity(task, messages):
