@@ -22,7 +22,7 @@ import torch
 
 from agentrl.algos.losses import kl_estimate
 from agentrl.config import AlgorithmConfig, RecipeConfig
-from agentrl.recipe import check_training, run_config_yaml, to_yaml, training_warnings
+from agentrl.recipe import check_sglang_on_cpu, check_training, run_config_yaml, to_yaml, training_warnings
 from agentrl.errors import ConfigError
 from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
@@ -100,6 +100,7 @@ def learn(trajectories: list[Trajectory], group_size: int, a: AlgorithmConfig, p
 
 def train(config: RecipeConfig) -> list[dict[str, float]]:
     check_training(config)
+    check_sglang_on_cpu(config, training=True)  # load_recipe checks it only when told the engine's device
     check_ray_settings(config)
     print(to_yaml(config), file=sys.stderr)
     for warning in training_warnings(config):

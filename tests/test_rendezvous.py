@@ -96,7 +96,11 @@ TWO_RANKS = """
 import json, subprocess, sys
 ranks = [subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], str(rank)], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) for rank in range(2)]
-print(json.dumps([[*rank.communicate(timeout=120), rank.returncode] for rank in ranks]))
+try:
+    print(json.dumps([[*rank.communicate(timeout=120), rank.returncode] for rank in ranks]))
+finally:  # a rank that hangs is not left behind
+    for rank in ranks:
+        rank.kill()
 """
 
 

@@ -30,6 +30,7 @@ from agentrl.rollout import sglang_engine, sglang_server
 from agentrl.rollout.run import build_engine
 from agentrl.rollout.sglang_engine import ReleasedRegions, SGLangEngine
 from agentrl.rollout.sglang_server import SGLangServerEngine
+from agentrl.train import train
 from tests.test_sglang_contract import SOURCE, FakeServer
 
 SERVER_WARNING = ("agentrl: warning: the SGLang server at {url} (engine.sglang.url) runs without "
@@ -415,18 +416,49 @@ def test_training_with_sglang_on_a_cpu_with_amx_stops_at_the_recipe_and_rollouts
                         devices=cli.DEVICE_KEYS["train"])
     for command in ("eval", "rollout", "serve"):
         assert load_recipe("recipes/quickstart.yaml", args, devices=cli.DEVICE_KEYS[command]).engine.name == "sglang"
-    on_gpu = load_recipe("recipes/quickstart.yaml", args + ["engine.device=cuda"], for_training=True)
-    assert on_gpu.engine.device == "cuda"  # no device check asked for: the AMX check is about the CPU only
+    with pytest.raises(ConfigError, match="^" + re.escape(TRAINING_ON_AMX) + "$"):  # train() from Python too
+        train(load_recipe("recipes/quickstart.yaml", args, for_training=True))
+    on_gpu = load_recipe("recipes/quickstart.yaml", args + ["engine.device=cuda", "model.dtype=float32"])
+    sglang_engine.check_cpu_engine(on_gpu, training=True)  # the AMX kernels are the CPU's only
     amx(monkeypatch, False)
     assert load_recipe("recipes/quickstart.yaml", args, for_training=True,
                        devices=cli.DEVICE_KEYS["train"]).engine.name == "sglang"
 
 
-def test_sglang_uses_amx_where_the_cpu_has_it_and_sgl_kernel_is_installed(monkeypatch):
-    for has_amx, installed, uses in ((True, True, True), (True, False, False), (False, True, False)):
+def test_a_given_server_is_not_held_to_this_cpus_amx(tiny_model_dir, server, monkeypatch):
+    """A server given by URL runs in the dtype it was started with, wherever it is."""
+    amx(monkeypatch, True)
+    engine = build_engine(sglang_recipe(tiny_model_dir, "engine.sglang.mode=server", "model.dtype=float32",
+                                        "engine.sglang.url=http://gpu-host:30000"), pad_token_id=2)
+    assert engine.url == "http://gpu-host:30000"
+
+
+def test_an_extra_args_dtype_sglang_cannot_run_here_stops_before_it_starts(tiny_model_dir, in_process, monkeypatch):
+    amx(monkeypatch, True)
+    with pytest.raises(ConfigError, match=r"^engine.sglang.extra_args.dtype 'float32': SGLang on this CPU \(it has "
+                                          r"AMX\) computes with its AMX kernels, which take bfloat16 only$"):
+        build_engine(sglang_recipe(tiny_model_dir, "engine.sglang.extra_args={dtype: float32}",
+                                   "rollout.max_context_tokens=1024"), pad_token_id=2)
+    assert in_process.started == []
+
+
+def test_sglang_uses_amx_as_sglang_decides_it(monkeypatch):
+    """SGLang's own check: a CPU with AMX and sgl_kernel's CPU build, the one with the weight-packing
+    op (a GPU machine's CUDA build has not, and its CPU may have AMX)."""
+    def uses(has_amx: bool, build: str | None) -> bool:
         monkeypatch.setattr(sglang_engine, "cpu_bf16_support", lambda: {"amx": has_amx, "avx512_bf16": True})
-        monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if installed else None)
-        assert sglang_engine.sglang_uses_amx() is uses
+        monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if build is None else object())
+        if build is not None:
+            monkeypatch.setitem(sys.modules, "sgl_kernel", types.ModuleType("sgl_kernel"))
+        return sglang_engine.sglang_uses_amx()
+
+    assert (uses(True, None), uses(True, "cuda")) == (False, False)
+    library = torch.library.Library("sgl_kernel", "DEF")  # what the CPU build registers
+    library.define("convert_weight_packed(Tensor weight) -> Tensor")
+    try:
+        assert (uses(False, "cpu"), uses(True, "cpu")) == (False, True)
+    finally:
+        library._destroy()
 
 
 def test_auto_is_bfloat16_for_sglang_on_a_cpu_with_amx_and_probed_elsewhere(tiny_model_dir, in_process, monkeypatch):

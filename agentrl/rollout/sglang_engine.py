@@ -74,9 +74,16 @@ def server_args(model_path: str, device: str, dtype: str, seed: int, s: SGLangCo
 
 
 def sglang_uses_amx() -> bool:
-    """Whether SGLang on this CPU computes with its AMX kernels: it does wherever the CPU has AMX
-    and its CPU kernel package (sgl_kernel) is installed."""
-    return cpu_bf16_support()["amx"] and importlib.util.find_spec("sgl_kernel") is not None
+    """Whether SGLang on this CPU computes with its AMX kernels: as SGLang decides it, where the CPU
+    has AMX and the installed sgl_kernel is its CPU build (which has convert_weight_packed; the
+    CUDA build of a GPU machine, whose CPU may have AMX too, has not)."""
+    if not cpu_bf16_support()["amx"] or importlib.util.find_spec("sgl_kernel") is None:
+        return False
+    try:
+        import sgl_kernel  # noqa: F401 (registers its torch ops)
+    except Exception:  # a broken build: SGLang then takes torch's ops, as it does on its own check
+        return False
+    return hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
 
 
 def check_cpu_engine(config: RecipeConfig, training: bool, amx: bool | None = None) -> None:
@@ -379,12 +386,17 @@ class SGLangEngine:
 def build_sglang_engine(config: RecipeConfig) -> Engine:
     """The SGLang engine a recipe asks for: in this process, or a server (given or launched)."""
     s = config.engine.sglang
-    if (s.mode == "in_process" or s.url is None) and importlib.util.find_spec("sglang") is None:
+    launched = s.mode == "in_process" or s.url is None  # a given server runs with its own arguments
+    if launched and importlib.util.find_spec("sglang") is None:
         raise ConfigError("engine.name 'sglang': SGLang is not installed here (on GPUs: pip install "
                           "\"agentrl[sglang]\"; on CPU: the environment `make test-sglang` builds)")
-    dtype = engine_dtype(config)
+    dtype = engine_dtype(config) if launched else choose_dtype(config.model.dtype, config.engine.device).dtype
     args = server_args(local_model_path(config.model.path), config.engine.device, dtype, config.engine.seed, s)
-    if s.mode == "in_process" or s.url is None:  # a given server runs with its own arguments: checked at connect
+    if launched:  # a given server's are checked at connect
+        if args["dtype"] in ("float32", "float") and dtype == "bfloat16" and torch.device(
+                config.engine.device).type == "cpu" and sglang_uses_amx():  # extra_args has the last word
+            raise ConfigError(f"engine.sglang.extra_args.dtype '{args['dtype']}': SGLang on this CPU (it has AMX) "
+                              "computes with its AMX kernels, which take bfloat16 only")
         check_context(config, args)  # before the engine starts, as far as its arguments tell
     engine: SGLangEngine | Any
     if s.mode == "server":

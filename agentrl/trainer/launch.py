@@ -351,16 +351,21 @@ def dashboard_kept_home() -> Iterator[None]:
     as before (and the requests leave again)."""
     try:
         from ray._private import ray_constants, services
-        original = services.start_ray_process
+        original, dashboard = services.start_ray_process, ray_constants.PROCESS_TYPE_DASHBOARD
     except (ImportError, AttributeError):
+        original = None
+    if original is None:
         yield
         return
     proxy = {name: REFUSING_PROXY for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
     proxy |= {name: LOOPBACK_NAMES for name in ("no_proxy", "NO_PROXY")}
 
     def start_ray_process(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
-        if process_type == ray_constants.PROCESS_TYPE_DASHBOARD:
-            kwargs["env_updates"] = {**(kwargs.get("env_updates") or {}), **proxy}
+        if process_type == dashboard:
+            if len(args) >= 2:  # (fate_share, env_updates, ...) given by position
+                args = (args[0], {**(args[1] or {}), **proxy}, *args[2:])
+            else:
+                kwargs["env_updates"] = {**(kwargs.get("env_updates") or {}), **proxy}
         return original(command, process_type, *args, **kwargs)
 
     services.start_ray_process = start_ray_process
