@@ -108,11 +108,11 @@ def check_cpu_engine(config: RecipeConfig, training: bool, amx: bool | None = No
                           "its weights to it; train with engine.name hf, or with SGLang on a GPU")
 
 
-def engine_dtype(config: RecipeConfig, amx: bool | None = None) -> str:
+def engine_dtype(config: RecipeConfig) -> str:
     """The dtype SGLang runs the model in (model.dtype): bfloat16 where SGLang computes with its AMX
     kernels (check_cpu_engine; no probe for 'auto': float32 is no choice there), else model.dtype
     as the trainer resolves it."""
-    if torch.device(config.engine.device).type == "cpu" and (sglang_uses_amx() if amx is None else amx):
+    if torch.device(config.engine.device).type == "cpu" and sglang_uses_amx():
         check_cpu_engine(config, training=False, amx=True)
         return "bfloat16"
     return choose_dtype(config.model.dtype, config.engine.device).dtype
