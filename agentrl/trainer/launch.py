@@ -190,17 +190,29 @@ class RayRoles(Roles):
         if a.advantage == "gae":
             roles.append(("critic", make_critic, list(range(t.world_size))))
         sharing = [sum(b in where for _, _, where in roles) for b in range(len(bundles))]
-        groups = {role: self._start_role(role, factory, where, sharing) for role, factory, where in roles}
+        # Every actor's process starts at once: each spends seconds importing torch, and one role
+        # after another made a run wait for all of them in turn. The engine replicas are set up
+        # before the training roles, so that an engine sizing its KV cache from the memory it finds
+        # free (SGLang's mem_fraction) does not find the trainers' weights there yet.
+        started = {role: self._start_actors(role, where, sharing) for role, _, where in roles}
+        everyone = [(label, actor) for actors in started.values() for label, actor in actors]
+        nodes = self.supervisor.wait([a.node.remote() for _, a in everyone], [label for label, _ in everyone],
+                                     "start-up")
+        self.pids.update({label: pid for (label, _), (_, pid) in zip(everyone, nodes)})
+        factories = {role: factory for role, factory, _ in roles}
+        self._set_up({"rollout": started["rollout"]}, factories)
+        self._set_up({role: actors for role, actors in started.items() if role != "rollout"}, factories)
+        groups = {role: [actor for _, actor in actors] for role, actors in started.items()}
         self.rollout = groups["rollout"]
         self.policy = WorkerGroup("policy", groups["policy"], self.supervisor,
                                   on_policy=t.ppo_epochs == 1 and t.mini_batches == 1)
         self.reference = WorkerGroup("reference", groups["reference"], self.supervisor) if "reference" in groups else None
         self.critic = WorkerGroup("critic", groups["critic"], self.supervisor) if "critic" in groups else None
 
-    def _start_role(self, role: str, factory: Callable[..., Any], where: list[int], sharing: list[int]) -> list[Any]:
-        """One actor per bundle in `where`, started, watched, then set up together (they rendezvous)."""
+    def _start_actors(self, role: str, where: list[int], sharing: list[int]) -> list[tuple[str, Any]]:
+        """One watched actor per bundle in `where`, labelled as errors name it."""
         t = self.config.trainer
-        actors, labels = [], []
+        actors = []
         for i, bundle in enumerate(where):
             share = 1.0 / sharing[bundle]
             actor = RoleActor.options(
@@ -208,20 +220,27 @@ class RayRoles(Roles):
                 max_concurrency=2,  # one slot for the sentinel
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
             ).remote(self.threads)
-            labels.append(f"rollout replica {i}" if role == "rollout" else f"{role} rank {i}")
-            actors.append(actor)
-            self.actors.append((labels[-1], actor))
-            self.supervisor.watch(actor, labels[-1])
-        nodes = self.supervisor.wait([a.node.remote() for a in actors], labels, "start-up")
-        self.pids.update({label: pid for label, (_, pid) in zip(labels, nodes)})
-        trains = role != "rollout"  # training ranks form a process group; engine replicas are independent
-        rendezvous = (self.supervisor.wait([actors[0].rendezvous.remote()], labels[:1], "start-up")[0]
-                      if trains and len(actors) > 1 else "")
-        if rendezvous:
-            self.rendezvous.append(rendezvous)
-        self.supervisor.wait([a.setup.remote(factory, self.config, self.tokenizer.pad_token_id, Ranks(i, len(actors)),
-                                             rendezvous, trains) for i, a in enumerate(actors)], labels, "set-up")
+            label = f"rollout replica {i}" if role == "rollout" else f"{role} rank {i}"
+            actors.append((label, actor))
+            self.actors.append((label, actor))
+            self.supervisor.watch(actor, label)
         return actors
+
+    def _set_up(self, roles: dict[str, list[tuple[str, Any]]], factories: dict[str, Callable[..., Any]]) -> None:
+        """Builds the workers of `roles` together; a training role's ranks first meet where its
+        rank 0 says (engine replicas are independent)."""
+        meeting = {role: actors[0] for role, actors in roles.items() if role != "rollout" and len(actors) > 1}
+        urls = self.supervisor.wait([actor.rendezvous.remote() for _, actor in meeting.values()],
+                                    [label for label, _ in meeting.values()], "start-up")
+        rendezvous = dict(zip(meeting, urls))
+        self.rendezvous += urls
+        calls, labels = [], []
+        for role, actors in roles.items():
+            for i, (label, actor) in enumerate(actors):
+                calls.append(actor.setup.remote(factories[role], self.config, self.tokenizer.pad_token_id,
+                                                Ranks(i, len(actors)), rendezvous.get(role, ""), role != "rollout"))
+                labels.append(label)
+        self.supervisor.wait(calls, labels, "set-up")
 
     def worker_table(self) -> dict[str, int]:
         return dict(self.pids)
