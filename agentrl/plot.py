@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrl.data import jsonl_objects
 from agentrl.errors import ConfigError
-from agentrl.tools.base import finite_number
+from agentrl.finite import finite_number
+from agentrl.jsonl import jsonl_objects
 
 # panel file name → (title, one subplot per key)
 LINE_PANELS: dict[str, tuple[str, tuple[str, ...]]] = {

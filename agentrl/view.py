@@ -24,9 +24,9 @@ from typing import Any
 import yaml
 from markupsafe import Markup, escape
 
-from agentrl.data import jsonl_objects
 from agentrl.errors import ConfigError
-from agentrl.tools.base import finite_number
+from agentrl.finite import finite_number
+from agentrl.jsonl import jsonl_objects
 
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 _REQUIRED = ("task_id", "group_id", "token_ids", "loss_mask", "messages")

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from agentrl.data import arithmetic_tasks, conversation_file, dataset_tasks, jsonl_objects
+from agentrl.data import arithmetic_tasks, conversation_file, dataset_tasks
 from agentrl.errors import ConfigError
+from agentrl.jsonl import jsonl_objects
 from agentrl.models import load_model, load_tokenizer
 
 GOOD_ROW = '{"question": "What is 2 + 1?", "answer": "#### 3"}\n'

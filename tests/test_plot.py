@@ -79,6 +79,16 @@ def test_cli_errors_name_the_run(tmp_path):
     assert done.returncode == 0 and (good / "plots" / "reward.png").is_file()
 
 
+def test_plot_loads_neither_torch_nor_transformers(tmp_path):
+    # It read its files through agentrl.data and tools.base, which import both: 2-3 s a plot.
+    good = write_run(tmp_path / "good", steps=2, reward_start=0.0)
+    probe = ("import sys; from agentrl.cli import main; rc = main(sys.argv[1:]); "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", probe, "plot", str(good)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and (good / "plots" / "reward.png").is_file(), done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_a_last_line_cut_short_by_a_crash_is_skipped(tmp_path, capsys):
     run = write_run(tmp_path / "crashed", steps=3, reward_start=0.0)
     metrics = run / "metrics.jsonl"

@@ -16,9 +16,10 @@ from fastapi.testclient import TestClient
 from agentrl.env.gsm8k import GSM8KInteraction
 from agentrl.errors import ConfigError
 from agentrl.env.tool_env import ToolEnv, ToolLimits
+from agentrl.finite import finite_number
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.episode import checked_total, outcome_reward
-from agentrl.tools.base import REWARD_LIMIT, ToolResult, finite_number, tool
+from agentrl.tools.base import REWARD_LIMIT, ToolResult, tool
 from agentrl.tools.builtin.gsm8k import CheckAnswer
 from agentrl.tools.loader import load_tools
 from agentrl.tools.parsers import MAX_ARGUMENT_DEPTH, ParsedTurn, parse_hermes

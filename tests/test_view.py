@@ -199,6 +199,16 @@ def test_steps_option_model_option_and_bad_input(run_dir, tmp_path):
         assert (done.returncode, done.stderr.strip()) == (2, message)
 
 
+def test_a_view_refused_loads_neither_torch_nor_transformers(run_dir):
+    # A mistake in the command is named at once; only the page's tokenizer needs transformers.
+    probe = ("import sys; from agentrl.cli import main; rc = main(sys.argv[1:]); "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", probe, "view", str(run_dir), "--steps", "9"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "--steps 9: no trajectories" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
 def test_a_crashed_run_shows_what_was_written(run_dir, tmp_path):
     crashed = tmp_path / "crashed"
     shutil.copytree(run_dir, crashed)

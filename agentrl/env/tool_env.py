@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
+from agentrl.finite import finite_number
+from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, tool_name
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import CallTimeout, call_plugin, failure_text
 from agentrl.types import EPISODE_METRICS, Task, ToolCall

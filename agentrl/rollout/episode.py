@@ -26,9 +26,10 @@ from typing import Any, Callable, Coroutine, TypeVar
 from agentrl.env.interaction import Interaction, InteractionError, Turn
 from agentrl.env.rewards import RewardFn
 from agentrl.env.tool_env import ToolEnv, ToolLimits
+from agentrl.finite import finite_number
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.rollout.engine import Engine
-from agentrl.tools.base import REWARD_LIMIT, Tool, finite_number
+from agentrl.tools.base import REWARD_LIMIT, Tool
 from agentrl.tools.loader import close_tools
 from agentrl.tools.parsers import ParsedTurn
 from agentrl.tools.threads import CallTimeout, PluginError, call_plugin, failure_text, warn_if_blocking

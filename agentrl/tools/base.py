@@ -13,8 +13,6 @@ import dataclasses
 import functools
 import inspect
 import json
-import math
-import numbers
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -255,31 +253,3 @@ def _on_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
         return fn(**arguments)
     except (KeyboardInterrupt, SystemExit) as e:
         raise PluginError(e) from e
-
-
-def _single_element(value: Any) -> Any:
-    """The element of a one-element tensor or array (`.item()`), else `value` itself."""
-    numel = getattr(value, "numel", None)  # torch (whose `size` is a method)
-    size = numel() if callable(numel) else getattr(value, "size", None)  # numpy
-    if size == 1 and not isinstance(value, (str, bytes)) and callable(getattr(value, "item", None)):
-        try:
-            return value.item()
-        except (TypeError, ValueError, RuntimeError):
-            return value
-    return value
-
-
-def finite_number(value: Any, limit: float = math.inf) -> float | None:
-    """`value` as a finite float of magnitude at most `limit`, or None (None, text, bools, NaN,
-    infinity, an int too large for a float, objects): what a tool's metric must be to count (a
-    reward: within REWARD_LIMIT). numpy's scalars are numbers, and so is the one element of a torch
-    tensor or numpy array (a reward model's judge returns `torch.sigmoid(logit)`, which the reward
-    function's check took and an interaction score's dropped)."""
-    value = _single_element(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    try:
-        number = float(value)
-    except (OverflowError, TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) and abs(number) <= limit else None

@@ -37,7 +37,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, finite_number, tool_name
+from agentrl.finite import finite_number
+from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, tool_name
 from agentrl.tools.threads import CallTimeout, abandoned_calls, call_plugin, failure_text
 
 
