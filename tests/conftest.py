@@ -27,6 +27,37 @@ def loopback_only():
     assert not attempts[before:], f"the test reached beyond loopback: {attempts[before:]}"
 
 
+@pytest.fixture
+def agentrl_in_process(monkeypatch, capsys):
+    """`agentrl ARGS...` run in this process, for a command that must stop before any model loads:
+    (exit status, last line of stderr). A model that loads fails the test; the signal handlers the
+    command sets for itself are put back. A subprocess would spend seconds importing torch first."""
+    import signal
+
+    import agentrl.models
+    import agentrl.rollout.run
+    import agentrl.trainer.roles
+    from agentrl.cli import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    for module in (agentrl.models, agentrl.rollout.run, agentrl.trainer.roles):
+        monkeypatch.setattr(module, "load_model", no_loading)
+
+    def run(*args: str) -> tuple[int, str]:
+        handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            status = main(list(args))
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        lines = capsys.readouterr().err.strip().splitlines()
+        return status, lines[-1] if lines else ""
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return load_tokenizer("smollm2-135m-instruct", chat_template="hermes")

@@ -66,15 +66,12 @@ def test_cli_rejects_bad_key_before_loading_anything(tmp_path):
     assert done.stderr.strip() == "agentrl: error: override 'rollout.max_turn=3': unknown key 'rollout.max_turn'"
 
 
-def test_cli_rejects_bad_tool_file_before_loading_the_model(tmp_path):
+def test_cli_rejects_bad_tool_file_before_loading_the_model(tmp_path, agentrl_in_process):
     bad = tmp_path / "t.yaml"
     bad.write_text("tools:\n  - class: calculator\n    schema: 3\n")
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml",
-                           f"rollout.tool_configs=[{bad}]", "model.path=/nonexistent"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"agentrl: error: {bad}: tool #1 (class 'calculator'): schema must be a mapping with type: function")
+    assert agentrl_in_process("rollout", "recipes/rollout_cpu.yaml", f"rollout.tool_configs=[{bad}]",
+                              "model.path=/nonexistent", f"output_dir={tmp_path / 'out'}") == (
+        2, f"agentrl: error: {bad}: tool #1 (class 'calculator'): schema must be a mapping with type: function")
 
 
 def test_readme_recipe_reference_matches_schema():
@@ -193,15 +190,12 @@ def test_gae_and_rollouts_accept_single_episode_groups():
 
 
 @pytest.mark.parametrize("command,key", [("train", "data.files"), ("eval", "eval.files")])
-def test_an_empty_task_pool_is_a_config_error(tmp_path, command, key):
+def test_an_empty_task_pool_is_a_config_error(tmp_path, agentrl_in_process, command, key):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    pool = "data.files" if command == "train" else "eval.files"
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", command, "recipes/quickstart.yaml",
-                           "data.source=files", f"{pool}=[{empty}]", "model.path=smollm2-135m-instruct"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines()[-1] == f"agentrl: error: {key}: no tasks: ['{empty}'] has no rows"
+    assert agentrl_in_process(command, "recipes/quickstart.yaml", "data.source=files", f"{key}=[{empty}]",
+                              "model.path=smollm2-135m-instruct", f"output_dir={tmp_path / 'out'}") == (
+        2, f"agentrl: error: {key}: no tasks: ['{empty}'] has no rows")
 
 
 def test_an_override_value_that_is_not_yaml_names_the_override():

@@ -135,7 +135,7 @@ def test_sft_conversations_are_checked_when_read(tmp_path, line, message):
     assert str(err.value) == f"{path}:{message}"
 
 
-def test_cli_stops_on_bad_data_before_loading_the_model(tmp_path):
+def test_cli_stops_on_bad_data_before_loading_the_model(tmp_path, agentrl_in_process):
     tasks, conversations = tmp_path / "tasks.jsonl", tmp_path / "sft.jsonl"
     tasks.write_text(GOOD_ROW * 2 + '{"answer": "#### 3"}\n')
     conversations.write_text("\n")
@@ -144,9 +144,8 @@ def test_cli_stops_on_bad_data_before_loading_the_model(tmp_path):
          f"{tasks}:3: missing 'question' (the row has 'answer')"),
         (["sft", "recipes/quickstart.yaml", f"sft.data={conversations}", f"sft.output={tmp_path / 'sft'}"],
          f"sft.data: no conversations: '{conversations}' has no rows")]:
-        done = subprocess.run([sys.executable, "-m", "agentrl.cli", *args, "model.path=/nonexistent",
-                               "sft.base_model=/nonexistent"], capture_output=True, text=True, timeout=120)
-        assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (2, f"agentrl: error: {message}")
+        assert agentrl_in_process(*args, "model.path=/nonexistent", "sft.base_model=/nonexistent",
+                                  f"output_dir={tmp_path / 'out'}") == (2, f"agentrl: error: {message}")
 
 
 def test_a_directory_without_a_model_says_so(tmp_path, tiny_model_dir, tokenizer):

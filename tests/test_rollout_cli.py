@@ -211,11 +211,9 @@ def test_each_evaluated_model_has_files_of_its_own(tmp_path, monkeypatch):
     ("data.answer_key=null", "data.answer_key: null, so eval has nothing to score: reward.function (gsm8k_reward) "
                              "compares each answer with the task's"),
 ])
-def test_eval_with_nothing_to_score_stops_before_the_model_loads(tmp_path, override, message):
+def test_eval_with_nothing_to_score_stops_before_the_model_loads(tmp_path, agentrl_in_process, override, message):
     tasks = tmp_path / "held_out.jsonl"
     tasks.write_text('{"question": "What is 2 + 1?", "answer": "#### 3"}\n')
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "eval", "recipes/quickstart.yaml", override,
-                           "data.source=files", f"data.files=[{tasks}]", f"eval.files=[{tasks}]",
-                           f"model.path={tmp_path}/no-model", f"output_dir={tmp_path}/out"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.strip().endswith(f"agentrl: error: {message}"), done.stderr[-2000:]
+    assert agentrl_in_process("eval", "recipes/quickstart.yaml", override, "data.source=files",
+                              f"data.files=[{tasks}]", f"eval.files=[{tasks}]", f"model.path={tmp_path}/no-model",
+                              f"output_dir={tmp_path}/out") == (2, f"agentrl: error: {message}")
