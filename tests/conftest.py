@@ -30,8 +30,9 @@ def loopback_only():
 @pytest.fixture
 def agentrl_in_process(monkeypatch, capsys):
     """`agentrl ARGS...` run in this process, for a command that must stop before any model loads:
-    (exit status, last line of stderr). A model that loads fails the test; the signal handlers the
-    command sets for itself are put back. A subprocess would spend seconds importing torch first."""
+    (exit status, last line of stderr), the whole of stderr in `.stderr`. A model that loads fails
+    the test; the signal handlers the command sets for itself are put back. A subprocess would
+    spend seconds importing torch first."""
     import signal
 
     import agentrl.models
@@ -52,7 +53,8 @@ def agentrl_in_process(monkeypatch, capsys):
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
-        lines = capsys.readouterr().err.strip().splitlines()
+        run.stderr = capsys.readouterr().err
+        lines = run.stderr.strip().splitlines()
         return status, lines[-1] if lines else ""
 
     return run

@@ -125,12 +125,11 @@ def test_eval_writes_its_config_beside_its_results_but_keeps_a_training_runs(tmp
     assert (run / "config.yaml").read_text() == "name: trained\n"
 
 
-def test_eval_and_serve_print_the_effective_config_first():
+def test_eval_and_serve_print_the_effective_config_first(agentrl_in_process):
     for command in (["eval"], ["serve", "--port", "0"]):
-        done = subprocess.run([sys.executable, "-m", "agentrl.cli", *command, "recipes/rollout_cpu.yaml",
-                               "model.path=/nonexistent"], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and "\nname: rollout_cpu\noutput_dir: runs/rollout_cpu\n" in done.stderr
-        assert done.stderr.strip().splitlines()[-1].startswith("agentrl: error: model '/nonexistent': not a local")
+        status, last = agentrl_in_process(*command, "recipes/rollout_cpu.yaml", "model.path=/nonexistent")
+        assert status == 2 and "\nname: rollout_cpu\noutput_dir: runs/rollout_cpu\n" in agentrl_in_process.stderr
+        assert last.startswith("agentrl: error: model '/nonexistent': not a local")
 
 
 @pytest.mark.slow
