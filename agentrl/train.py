@@ -31,7 +31,8 @@ from agentrl.rollout.run import load_driver_parts
 from agentrl.trainer.checkpoint import RECIPE, check_replaceable, latest_checkpoint
 from agentrl.trainer.critic import CriticWorker, check_critic_path
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
-from agentrl.trainer.roles import Roles, check_ray_settings, start_roles
+from agentrl.trainer.ray_settings import check_ray_settings
+from agentrl.trainer.roles import Roles, start_roles
 from agentrl.tracking import WANDB_RUN_ID, RunLogger, check_wandb
 from agentrl.trainer.returns import gae_targets, outcome_advantages, token_advantages
 from agentrl.types import Task, Trajectory

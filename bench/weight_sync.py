@@ -117,7 +117,7 @@ def main() -> None:
     args = parser.parse_args()
     use_tcmalloc()  # as the CLI does; may re-run this script (agentrl/allocator.py)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the actors inherit it: no load bars
-    from agentrl.trainer.roles import ray_environment
+    from agentrl.trainer.ray_settings import ray_environment
 
     ray_environment(private=True)  # before ray is imported: loopback only, as agentrl runs it
     import ray
@@ -142,7 +142,8 @@ def run_ray(model: str, tokenizer, floor: Floor, args: argparse.Namespace, zero_
     """A local Ray for one serialization mode (the workers read it from their environment at start)."""
     import ray
 
-    from agentrl.trainer.launch import RayRoles, start_local_ray
+    from agentrl.trainer.launch import RayRoles
+    from agentrl.trainer.ray_cluster import start_local_ray
 
     os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "1" if zero_copy else "0"
     start_local_ray([{"CPU": 1.0}] * max(args.world_sizes))

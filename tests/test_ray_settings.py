@@ -10,7 +10,7 @@ import pytest
 
 from agentrl.errors import ConfigError
 from agentrl.recipe import load_recipe
-from agentrl.trainer.roles import check_ray_settings
+from agentrl.trainer.ray_settings import check_ray_settings
 
 
 def ray_recipe(*overrides: str):
@@ -52,7 +52,7 @@ def test_settings_the_actors_can_use_pass(overrides):
 @pytest.mark.parametrize("address", ["localhost", "ray://head", "[::1]", "head:port", ":6379", "head:99999"])
 def test_a_ray_address_that_is_no_host_and_port_says_what_is_expected(address):
     """'localhost' was reported as an unreachable cluster, with int()'s ValueError as the cause."""
-    from agentrl.trainer.launch import check_ray_address
+    from agentrl.trainer.ray_cluster import check_ray_address
 
     expected = f"trainer.ray_address: expected host:port, ray://host:port or 'auto', got '{address}'"
     with pytest.raises(ConfigError) as caught:
@@ -76,7 +76,7 @@ def test_train_with_a_ray_address_without_a_port_stops_as_a_recipe_error(tmp_pat
 def test_more_bundle_cpus_than_cores_warns_and_cuts_each_actors_threads():
     """trainer.world_size=64 on 2 cores started 64 ranks with a thread each per CPU asked for, and
     the local Ray was told the machine had 64 CPUs; it still runs (no refusal), with a warning."""
-    from agentrl.trainer.launch import fair_threads
+    from agentrl.trainer.ray_cluster import fair_threads
 
     threads, warning = fair_threads(64, 1.0, [{"CPU": 1.0}] * 64, cores=2)
     assert threads == 1

@@ -250,7 +250,7 @@ def test_a_ray_address_where_nothing_answers_stops_the_run_naming_the_key(tmp_pa
 def checked(address: str, env: dict[str, str]) -> str:
     """What check_ray_address says about `address` in a process of its own: Ray reads its auth
     settings from the environment once per process."""
-    probe = ("import sys; from agentrl.errors import RunFailed; from agentrl.trainer.launch import check_ray_address\n"
+    probe = ("import sys; from agentrl.errors import RunFailed; from agentrl.trainer.ray_cluster import check_ray_address\n"
              "try:\n    check_ray_address(sys.argv[1], timeout_s=5)\nexcept RunFailed as e:\n    print(e)\n"
              "else:\n    print('ok')")
     return subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, env=env,
@@ -349,7 +349,7 @@ import os, signal, sys, threading, time
 from pathlib import Path
 import ray
 from agentrl import cli
-from agentrl.trainer.launch import restore_signal_handlers, start_local_ray
+from agentrl.trainer.ray_cluster import restore_signal_handlers, start_local_ray
 from agentrl.trainer.ray_groups import Supervisor
 
 started = Path(sys.argv[1])
@@ -404,14 +404,14 @@ def test_a_recipe_error_found_inside_a_ray_worker_exits_as_a_recipe_error(tmp_pa
     assert last.startswith("agentrl: error: policy rank 0: model.lora.target_modules") and "nope_proj" in last
 
 
-# The run's own Ray as the driver starts it (roles.ray_environment before ray is imported), one
+# The run's own Ray as the driver starts it (ray_environment before ray is imported), one
 # task through it, and a wait in which the dashboard process runs its usage module.
 PRIVATE_RAY = '''
 import time
-from agentrl.trainer.roles import ray_environment
+from agentrl.trainer.ray_settings import ray_environment
 ray_environment(private=True)
 import ray
-from agentrl.trainer.launch import start_local_ray
+from agentrl.trainer.ray_cluster import start_local_ray
 start_local_ray([{"CPU": 1.0}])
 print(ray.get(ray.remote(lambda: 41 + 1).remote()))
 time.sleep(3)
