@@ -2,13 +2,14 @@
 # make test       set up .venv on a fresh machine (CPU torch first), the Debian packages tests use, and run the suite
 # make rollout    run the small CPU rollout recipe with SmolLM2-135M-Instruct
 # make bench      run the benchmarks in bench/ (vs_trl.py sets up TRL in .venv-trl on first use)
+# make gpu-wheels what bench/gpu_colocated.py needs carried to a GPU machine without network (build/)
 # make test-sglang  the real-SGLang tests on CPU, in a separate SGLang environment (~10 min, ~6 GB
 #                   to set up the first time, cached in $(AGENTRL_CACHE)/sglang-venv)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-packages runtime-packages test quickstart rollout bench clean sglang-setup test-sglang
+.PHONY: setup system-packages runtime-packages test quickstart rollout bench clean sglang-setup test-sglang gpu-wheels
 
 # Debian packages. For every CPU run: tcmalloc (agentrl/allocator.py: about 1.5x on a training
 # step). For the tests too: headless Chromium for the trajectory viewer, bubblewrap for the python
@@ -69,6 +70,20 @@ bench: setup runtime-packages
 	$(PY) bench/vs_trl.py
 	$(PY) bench/fsdp_overhead.py
 	$(PY) bench/weight_sync.py
+
+# What bench/gpu_colocated.py needs on a GPU machine that has torch and transformers and no network:
+# the wheels of the packages agentrl imports there that such an image lacks (Python 3.12, the
+# versions of .venv), torch-memory-saver, and the SmolLM2 tokenizer; about 9 MB to carry.
+GPU_PYTHON ?= 3.12
+GPU_PACKAGES := pydantic pydantic_core annotated-types typing-inspection jsonschema jsonschema-specifications \
+	referencing rpds-py
+gpu-wheels: setup
+	rm -rf build/gpu-wheels build/gpu-tokenizer
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-d build/gpu-wheels torch-memory-saver==0.0.10 \
+		$$(for p in $(GPU_PACKAGES); do echo "$$p==$$($(PY) -c "import importlib.metadata as m; print(m.version('$$p'))")"; done)
+	$(PY) -c "from agentrl.models import load_tokenizer; load_tokenizer('smollm2-135m-instruct', chat_template='hermes').save_pretrained('build/gpu-tokenizer')"
 
 # SGLang's CPU backend: its source tree and CPU kernel wheel (see README, "SGLang engine").
 SGLANG_CPU ?= ../shared/sglang-cpu
