@@ -10,9 +10,12 @@ sharing the device, with a Qwen2-style model of about 0.4B parameters built from
   sync      seconds of the local backend's weight sync (PolicyWorker.push_weights into the engine,
             in `trainer.sync_bucket_mb` buckets, then one flush) as GB/s of the bytes sent, against a
             device-to-device copy of the same bytes in one flat tensor;
-  train     tokens/s of PolicyWorker.update on a GRPO-shaped batch in bf16 autocast, and the MFU
-            it implies: 6 x parameters + 12 x layers x hidden x mean length FLOPs per trained token
-            (forward and backward), against the device's dense bf16 peak (--peak-tflops).
+  train     tokens/s of PolicyWorker.update in bf16 autocast on sequences whose first quarter is
+            a masked prompt, each with its own prompt (no group shares one, so no prompt is
+            computed once for several), and the MFU it implies, counted as PaLM's appendix does:
+            6 x parameters + 12 x layers x hidden x length FLOPs per token (forward and backward;
+            the output head counted at every position, attention over the whole length), against
+            the device's dense bf16 peak (--peak-tflops).
 Each timed figure is the median of --repeats after one warm-up.
 
 On a CPU (--device cpu, for a quick check of the script with --layers 2) the memory saver is a
@@ -97,8 +100,7 @@ class EngineSink:
 
 def training_batch(vocab: int, sequences: int, length: int, seed: int = 0):
     """(sequences, masks, advantages): a quarter prompt (masked), the rest completion, one
-    advantage per sequence, as a GRPO step gives them; token ids at random (speed does not depend
-    on which)."""
+    advantage per sequence; token ids at random (speed does not depend on which)."""
     rng = random.Random(seed)
     prompt = length // 4
     batch = ([], [], [])
@@ -147,7 +149,11 @@ def main() -> None:
 
         # release
         if device.startswith("cuda"):
-            torch.zeros(1, device=device)  # the CUDA context, outside the engine's bytes
+            # The CUDA context and cuBLAS's workspaces first: they are outside the engine's regions
+            # (memory_saver.warm_cublas), and no release could free them.
+            from agentrl.rollout.memory_saver import warm_cublas
+
+            warm_cublas(torch.device(device))
         synchronize(device)
         free_start = free_bytes(device)
         engine = build_engine(config, pad_id)
@@ -165,7 +171,8 @@ def main() -> None:
                   f"({freed / engine_bytes:.1%}; at least 90% wanted)")
         else:
             engine.release_memory()
-            print(f"release: no memory saver on {device} (torch-memory-saver needs CUDA): nothing to free")
+            print(f"release: no memory saver on {device} (torch-memory-saver is not installed, or this is not "
+                  "CUDA): nothing to free")
         engine.resume_memory(("weights",))
         engine.resume_memory(("kv_cache",))
         after = [c.token_ids for c in engine.generate_batch(prompts, greedy)]

@@ -53,7 +53,7 @@ def agentrl_in_process(monkeypatch, capsys):
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
-        run.stderr = capsys.readouterr().err
+            run.stderr = capsys.readouterr().err
         lines = run.stderr.strip().splitlines()
         return status, lines[-1] if lines else ""
 

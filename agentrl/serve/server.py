@@ -106,7 +106,11 @@ def run_serve(config: RecipeConfig, host: str, port: int) -> None:
     from agentrl.tools.parsers import get_parser
 
     sock = bind(host, port)  # a taken port fails before the model loads
-    tokenizer, engine = load_policy(config, needs_tools=True)  # clients send tools: the template must show them
+    try:
+        tokenizer, engine = load_policy(config, needs_tools=True)  # clients send tools: the template must show them
+    except BaseException:
+        sock.close()
+        raise
     settings = serve_settings(episode_settings(config), config.model.path, for_training=False)
     service = ChatService(engine, tokenizer, get_parser(config.rollout.parser), settings)
     bound_host, bound_port = sock.getsockname()[:2]

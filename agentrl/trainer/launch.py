@@ -149,17 +149,18 @@ class RayRoles(Roles):
             roles.append(("critic", make_critic, list(range(t.world_size))))
         sharing = [sum(b in where for _, _, where in roles) for b in range(len(bundles))]
         # Every actor's process starts at once: each spends seconds importing torch, and one role
-        # after another made a run wait for all of them in turn. The engine replicas are set up
-        # before the training roles, so that an engine sizing its KV cache from the memory it finds
-        # free (SGLang's mem_fraction) does not find the trainers' weights there yet.
+        # after another made a run wait for all of them in turn. The workers are then built one role
+        # at a time: the engine replicas first, so that an engine sizing its KV cache
+        # from the memory it finds free (SGLang's mem_fraction) does not find the trainers' weights
+        # there yet; then each training role, whose ranks each load a whole model before sharding
+        # it, so that two roles' whole copies are never in memory at once.
         started = {role: self._start_actors(role, where, sharing) for role, _, where in roles}
         everyone = [(label, actor) for actors in started.values() for label, actor in actors]
         nodes = self.supervisor.wait([a.node.remote() for _, a in everyone], [label for label, _ in everyone],
                                      "start-up")
         self.pids.update({label: pid for (label, _), (_, pid) in zip(everyone, nodes)})
-        factories = {role: factory for role, factory, _ in roles}
-        self._set_up({"rollout": started["rollout"]}, factories)
-        self._set_up({role: actors for role, actors in started.items() if role != "rollout"}, factories)
+        for role, factory, _ in roles:
+            self._set_up(role, factory, started[role])
         groups = {role: [actor for _, actor in actors] for role, actors in started.items()}
         self.rollout = groups["rollout"]
         self.policy = WorkerGroup("policy", groups["policy"], self.supervisor,
@@ -184,21 +185,18 @@ class RayRoles(Roles):
             self.supervisor.watch(actor, label)
         return actors
 
-    def _set_up(self, roles: dict[str, list[tuple[str, Any]]], factories: dict[str, Callable[..., Any]]) -> None:
-        """Builds the workers of `roles` together; a training role's ranks first meet where its
-        rank 0 says (engine replicas are independent)."""
-        meeting = {role: actors[0] for role, actors in roles.items() if role != "rollout" and len(actors) > 1}
-        urls = self.supervisor.wait([actor.rendezvous.remote() for _, actor in meeting.values()],
-                                    [label for label, _ in meeting.values()], "start-up")
-        rendezvous = dict(zip(meeting, urls))
-        self.rendezvous += urls
-        calls, labels = [], []
-        for role, actors in roles.items():
-            for i, (label, actor) in enumerate(actors):
-                calls.append(actor.setup.remote(factories[role], self.config, self.tokenizer.pad_token_id,
-                                                Ranks(i, len(actors)), rendezvous.get(role, ""), role != "rollout"))
-                labels.append(label)
-        self.supervisor.wait(calls, labels, "set-up")
+    def _set_up(self, role: str, factory: Callable[..., Any], actors: list[tuple[str, Any]]) -> None:
+        """Builds one role's workers together; a training role's ranks first meet where its rank 0
+        says (engine replicas are independent)."""
+        trains = role != "rollout"
+        rendezvous = ""
+        if trains and len(actors) > 1:
+            label, first = actors[0]
+            rendezvous = self.supervisor.wait([first.rendezvous.remote()], [label], "start-up")[0]
+            self.rendezvous.append(rendezvous)
+        self.supervisor.wait([actor.setup.remote(factory, self.config, self.tokenizer.pad_token_id,
+                                                 Ranks(i, len(actors)), rendezvous, trains)
+                              for i, (_, actor) in enumerate(actors)], [label for label, _ in actors], "set-up")
 
     def worker_table(self) -> dict[str, int]:
         return dict(self.pids)
