@@ -148,12 +148,12 @@ class RayRoles(Roles):
         if a.advantage == "gae":
             roles.append(("critic", make_critic, list(range(t.world_size))))
         sharing = [sum(b in where for _, _, where in roles) for b in range(len(bundles))]
-        # Every actor's process starts at once: each spends seconds importing torch, and one role
-        # after another made a run wait for all of them in turn. The workers are then built one role
-        # at a time: the engine replicas first, so that an engine sizing its KV cache
-        # from the memory it finds free (SGLang's mem_fraction) does not find the trainers' weights
-        # there yet; then each training role, whose ranks each load a whole model before sharding
-        # it, so that two roles' whole copies are never in memory at once.
+        # Every actor's process starts at once: each spends seconds importing torch, which started
+        # role by role would add up. The workers are then built one role at a time: the engine
+        # replicas first, so that an engine sizing its KV cache from the memory it finds free
+        # (SGLang's mem_fraction) does not find the trainers' weights there yet; then each training
+        # role, whose ranks each load a whole model before sharding it, so that two roles' whole
+        # copies are never in memory at once.
         started = {role: self._start_actors(role, where, sharing) for role, _, where in roles}
         everyone = [(label, actor) for actors in started.values() for label, actor in actors]
         nodes = self.supervisor.wait([a.node.remote() for _, a in everyone], [label for label, _ in everyone],
