@@ -18,8 +18,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import agentrl.models
-from agentrl.cli import main
 from agentrl.errors import ConfigError
 from agentrl.models import load_tokenizer
 
@@ -60,18 +58,12 @@ def test_a_tokenizer_without_a_chat_template_is_a_config_error_unless_tools_choo
     ("eval", ["model.path={model}", "output_dir={tmp}/eval", "engine.device=cpu", "eval.num_tasks=2",
               "rollout.tool_configs=[]"]),
 ])
-def test_sft_and_eval_stop_with_one_line_before_any_model_loads(templateless_dir, tmp_path, monkeypatch, capsys,
+def test_sft_and_eval_stop_with_one_line_before_any_model_loads(templateless_dir, tmp_path, agentrl_in_process,
                                                                   command, overrides):
     """SFT used to fail inside transformers with a traceback, and eval to fail every episode."""
-    def no_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(agentrl.models, "load_model", no_loading)
-    monkeypatch.setattr("agentrl.rollout.run.load_model", no_loading)
     recipe = "recipes/quickstart.yaml" if command == "sft" else "recipes/rollout_cpu.yaml"
     args = [o.format(model=templateless_dir, tmp=tmp_path) for o in overrides]
-    assert main([command, recipe, *args]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == f"agentrl: error: {no_template_error(templateless_dir)}"
+    assert agentrl_in_process(command, recipe, *args) == (2, f"agentrl: error: {no_template_error(templateless_dir)}")
 
 
 class RecordingHub(BaseHTTPRequestHandler):
