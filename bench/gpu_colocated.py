@@ -7,8 +7,8 @@ sharing the device, with a Qwen2-style model of about 0.4B parameters built from
             region) before and after `release_memory`, then greedy output after resuming the
             weights and, separately, the KV cache, against the output before: identical, token for
             token;
-  sync      seconds of the local backend's weight sync (PolicyWorker.push_weights into the engine,
-            in `trainer.sync_bucket_mb` buckets, then one flush) as GB/s of the bytes sent, against a
+  sync      seconds of the local backend's weight sync (PolicyWorker.push_weights through LocalSink
+            into the rollout worker's engine, in `--bucket-mb` buckets, then one flush) as GB/s of the bytes sent, against a
             device-to-device copy of the same bytes in one flat tensor;
   train     tokens/s of PolicyWorker.update in bf16 autocast on sequences whose first quarter is
             a masked prompt, each with its own prompt (no group shares one, so no prompt is
@@ -40,6 +40,7 @@ import time
 
 import torch
 
+HIDDEN = 896  # Qwen2.5-0.5B's
 PROMPTS = ["What is 1234 * 5678?", "Name three prime numbers above 100.", "How many days are in a leap year?",
            "Spell 'agent' backwards.", "What is the capital of France?", "Add 17 and 25.",
            "Is 221 a prime number?", "Convert 3 km to metres."]
@@ -51,7 +52,7 @@ def qwen2_model(vocab: int, layers: int, seed: int = 0) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=4864, num_hidden_layers=layers,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
                          tie_word_embeddings=True, rope_theta=1_000_000.0)
     return Qwen2ForCausalLM(config)
@@ -85,19 +86,6 @@ def copy_seconds(size: int, device: str, repeats: int) -> float:
     return timed(lambda: target.copy_(source), device, repeats)
 
 
-class EngineSink:
-    """The local backend's sink (rollout/worker.py LocalSink) without the worker's tools around it."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def send(self, bucket):
-        self.engine.update_weights(bucket, version=self.engine.weight_version, flush_cache=False)
-
-    def finish(self, version):
-        self.engine.update_weights([], version=version, flush_cache=True)
-
-
 def training_batch(vocab: int, sequences: int, length: int, seed: int = 0):
     """(sequences, masks, advantages): a quarter prompt (masked), the rest completion, one
     advantage per sequence; token ids at random (speed does not depend on which)."""
@@ -127,7 +115,7 @@ def main() -> None:
 
     from agentrl.models import load_tokenizer
     from agentrl.recipe import load_recipe
-    from agentrl.rollout.run import build_engine
+    from agentrl.rollout.worker import LocalSink, RolloutWorker
     from agentrl.trainer.roles import make_policy
     from agentrl.types import SamplingParams
 
@@ -156,7 +144,8 @@ def main() -> None:
             warm_cublas(torch.device(device))
         synchronize(device)
         free_start = free_bytes(device)
-        engine = build_engine(config, pad_id)
+        worker = RolloutWorker(config)  # the local backend's: the engine, the recipe's tools around it
+        engine = worker.engine
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                  return_dict=True)["input_ids"] for p in PROMPTS]
         greedy = [SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)] * len(prompts)
@@ -182,7 +171,7 @@ def main() -> None:
         # sync
         policy = make_policy(config, pad_id)
         sent = sum(t.nbytes for _, t in policy.named_weights())
-        sink, bucket = EngineSink(engine), args.bucket_mb << 20
+        sink, bucket = LocalSink([worker]), args.bucket_mb << 20
         sync_s = timed(lambda: policy.push_weights(sink, engine.weight_version + 1, bucket), device, args.repeats)
         copy_s = copy_seconds(sent, device, args.repeats)
         print(f"sync: {sent / 2**20:.0f} MiB in {sync_s * 1e3:.1f} ms = {sent / sync_s / 1e9:.2f} GB/s; "
@@ -193,8 +182,7 @@ def main() -> None:
         sequences, masks, advantages = training_batch(len(tokenizer), args.sequences, args.length)
         update_s = timed(lambda: policy.update(sequences, masks, advantages), device, args.repeats)
         tokens = args.sequences * args.length
-        hidden = 896
-        flops_per_token = 6 * params + 12 * args.layers * hidden * args.length
+        flops_per_token = 6 * params + 12 * args.layers * HIDDEN * args.length
         achieved = tokens / update_s * flops_per_token
         mfu = f", MFU {achieved / (args.peak_tflops * 1e12):.1%} of {args.peak_tflops:g} TFLOP/s" \
             if device.startswith("cuda") else ""
