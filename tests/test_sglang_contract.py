@@ -245,6 +245,61 @@ async def test_server_engine_requests_are_sglang_requests(fake_server):
         assert torch.equal(sent, got)
 
 
+class LengthFirstServer:
+    """Answers /generate with scripted turns the way older SGLang schedulers finish a request: the
+    length budget is tested before the stop tokens, so a turn whose <|im_end|> is its last allowed
+    token is reported as "length"."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.reasons = turns, []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            return httpx.Response(200, json=SERVER_INFO)
+        if request.url.path != "/generate":
+            return httpx.Response(200, json=None)
+        budget = json.loads(request.content)["sampling_params"]["max_new_tokens"]
+        ids = self.turns[len(self.reasons)][:budget]
+        self.reasons.append("length" if len(ids) >= budget else "stop")
+        return httpx.Response(200, json={"output_ids": ids, "meta_info": {
+            "finish_reason": {"type": self.reasons[-1]}, "output_token_logprobs": [[-0.5, t, None] for t in ids]}})
+
+
+def test_a_turn_ending_in_its_stop_token_on_its_last_allowed_position_finished(monkeypatch, tokenizer):
+    """The episode read SGLang's "length" for such a turn as a cut-off: the tool call it made never
+    ran, and the episode ended "length" with the <|im_end|> left in the message a grader reads."""
+    import asyncio
+
+    from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+    from agentrl.tools.builtin.calculator import calculator
+    from agentrl.tools.parsers import parse_hermes
+    from agentrl.types import Task
+
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+    turns = [tokenizer(text, add_special_tokens=False)["input_ids"] + [2] for text in (call, "It is 42.")]
+    server = LengthFirstServer(turns)
+    transport = httpx.MockTransport(server)
+    monkeypatch.setattr(sglang_server.httpx, "Client", partial(httpx.Client, transport=transport))
+    monkeypatch.setattr(sglang_server.httpx, "AsyncClient", partial(httpx.AsyncClient, transport=transport))
+    engine = SGLangServerEngine("http://127.0.0.1:1", {})
+    runner = EpisodeRunner(engine, tokenizer, [calculator], parse_hermes,
+                           EpisodeSettings(max_new_tokens_per_turn=len(turns[0])), reward_fn=lambda task, messages: 0.0)
+    traj = asyncio.run(runner.run(Task(id="t", prompt="6 * 7?", answer="42"), group_id="g"))
+    engine.close()
+
+    assert server.reasons == ["length", "stop"]  # the first turn used its whole budget, <|im_end|> last
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+    assert traj.messages[1]["content"] == call and "truncated" not in traj.messages[1]
+    assert traj.messages[2]["content"] == "42" and traj.finish == "stop"
+    assert traj.metrics["turns"] == 2 and traj.metrics["tool_calls"] == 1
+    # A turn cut off before its stop token is still "length".
+    server.turns, server.reasons = [[7, 8, 9, 2]], []
+    engine = SGLangServerEngine("http://127.0.0.1:1", {})
+    completion = asyncio.run(engine.generate([1], SamplingParams(max_new_tokens=3, stop_token_ids=(2,))))
+    engine.close()
+    assert (completion.token_ids, completion.finish) == ([7, 8, 9], "length")
+
+
 def test_cpu_weights_reach_a_loopback_server_through_safetensors_shards(fake_server):
     engine = SGLangServerEngine("http://127.0.0.1:1", {}, update_bucket_bytes=40)
     embed = torch.arange(6.0).reshape(2, 3)

@@ -186,8 +186,13 @@ def sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
             "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids), **seed}
 
 
-def to_completion(out: dict[str, Any], version: int) -> Completion:
-    """A generate result (output_ids + meta_info) → Completion, checking that logprobs align."""
+def to_completion(out: dict[str, Any], version: int, stop_token_ids: tuple[int, ...]) -> Completion:
+    """A generate result (output_ids + meta_info) → Completion, checking that logprobs align.
+
+    A turn whose last token is one of its stop ids finished "stop", whatever SGLang called it: older
+    releases (their `Req.check_finished`) test the length budget before the stop tokens and report
+    "length" for a turn whose end-of-turn token fell on its last allowed position, and the episode
+    would then take a finished tool call for a cut-off one (a given server may be such a release)."""
     meta = out["meta_info"]
     reason = meta["finish_reason"] or {}
     if reason.get("type") not in ("stop", "length"):
@@ -196,7 +201,8 @@ def to_completion(out: dict[str, Any], version: int) -> Completion:
     logprobs = meta["output_token_logprobs"]
     if [entry[1] for entry in logprobs] != ids:
         raise RuntimeError(f"SGLang returned {len(logprobs)} logprobs that do not match its {len(ids)} new ids")
-    return Completion(ids, [float(entry[0]) for entry in logprobs], reason["type"], version)
+    finish = "stop" if ids and ids[-1] in stop_token_ids else reason["type"]
+    return Completion(ids, [float(entry[0]) for entry in logprobs], finish, version)
 
 
 def prompt_logprobs(out: dict[str, Any], token_ids: list[int], start: int) -> list[float]:
@@ -320,7 +326,7 @@ class SGLangEngine:
         except asyncio.CancelledError:  # the caller left (an HTTP client hung up): stop its decoding
             self._thread.loop.call_soon_threadsafe(self._engine.tokenizer_manager.abort_request, rid)
             raise
-        completion = to_completion(out, version)
+        completion = to_completion(out, version, sampling.stop_token_ids)
         self._count(out["meta_info"], len(completion.token_ids))
         return completion
 

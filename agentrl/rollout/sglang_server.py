@@ -268,8 +268,8 @@ class SGLangServerEngine:
                 await asyncio.sleep(0.5 * 2**attempt)
         if response.status_code != 200:
             raise self._failure("POST /generate", f"HTTP {response.status_code}: {response.text.strip()[:300]}")
-        completion, meta = self._parsed("POST /generate", response,
-                                        lambda out: (to_completion(out, version), out["meta_info"]))
+        completion, meta = self._parsed("POST /generate", response, lambda out: (
+            to_completion(out, version, sampling.stop_token_ids), out["meta_info"]))
         for key, value in (("requests", 1), ("generated_tokens", len(completion.token_ids)),
                            ("prompt_tokens", meta.get("prompt_tokens") or 0),
                            ("cached_tokens", meta.get("cached_tokens") or 0)):
