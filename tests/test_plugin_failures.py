@@ -121,6 +121,32 @@ def test_a_cancelled_error_from_reward_or_release_fails_that_step_and_every_inst
     assert env.metrics["tool_lifecycle_errors"] == 3  # c's create, a's reward, b's release
 
 
+class Abort(BaseException):
+    """A plug-in's own BaseException, as gevent's Timeout and trio's Cancelled are: past `except Exception`."""
+
+
+def test_a_base_exception_of_a_tools_own_fails_that_step_and_every_instance_is_released():
+    """It used to pass the handlers of create, reward and release: the episode ended in it, and the
+    instances after it were never released."""
+    log: list[str] = []
+    tools = [Lifecycle(log, "a", create=Abort("no sandbox")), Lifecycle(log, "b", reward=Abort("judge gone")),
+             Lifecycle(log, "c", release=Abort("stuck")), Lifecycle(log, "d", execute=Abort("mid-call"))]
+
+    async def main():
+        env = ToolEnv(tools, ToolLimits(timeout_s=1), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        messages = await env.run_turn(ParsedTurn(calls=[ToolCall("a", {}), ToolCall("d", {})]))
+        return env, messages, await env.finish()
+
+    env, messages, total = run_with_daemon_threads(main())
+    assert [m["content"] for m in messages] == ["Error: a could not be started for this episode (Abort: no sandbox).",
+                                                "Error: d failed: Abort: mid-call"]
+    assert log == ["a.create", "a.release", "b.create", "c.create", "d.create", "d.execute",
+                   "b.reward", "b.release", "c.reward", "c.release", "d.reward", "d.release"]
+    assert total == 1.0  # c's and d's rewards; b's failed
+    assert env.metrics["tool_lifecycle_errors"] == 3  # a's create, b's reward, c's release
+
+
 def test_the_timeout_fires_for_a_tool_that_swallows_its_cancellation():
     log: list[str] = []
     tools = [Lifecycle(log, "stubborn", execute="swallow")]

@@ -18,6 +18,7 @@ from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
 from agentrl.tools.base import FunctionTool, ToolResult, tool
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import ParsedTurn, parse_hermes
+from agentrl.tools.threads import run_with_daemon_threads
 from agentrl.types import Task, ToolCall
 from tests.conftest import ScriptedEngine
 
@@ -492,6 +493,29 @@ def test_numpy_scalars_count_as_numbers_and_an_int_too_large_for_a_float_is_drop
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["scored"]
     assert (traj.metrics["tool_step_reward"], traj.metrics["tool_final_reward"], traj.reward) == (0.25, 1.5, 1.75)
     assert traj.metrics["hits"] == 3.0 and "huge" not in traj.metrics and traj.metrics["tool_invalid_results"] == 1
+
+
+def test_a_metric_whose_total_would_overflow_keeps_the_total_it_had():
+    """Two finite 1e308 made an infinite sum, which averaged over a step to NaN."""
+
+    @tool
+    def counted(n: float) -> ToolResult:
+        """Counts.
+
+        Args:
+            n: How much.
+        """
+        return ToolResult("counted", metrics={"load": n})
+
+    async def main():
+        env = ToolEnv([counted], ToolLimits(max_calls_per_turn=4), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        await env.run_turn(ParsedTurn(calls=[ToolCall("counted", {"n": n}) for n in (1e308, 1e308, -5e307)]))
+        await env.finish()
+        return env.metrics
+
+    metrics = run_with_daemon_threads(main())
+    assert metrics["load"] == 1e308 - 5e307 and metrics["tool_invalid_results"] == 1
 
 
 class Cart:

@@ -8,8 +8,8 @@ Counters: every call the model made counts in `tool_calls` (those over the per-t
 errors), and `tool_errors` counts the calls among them that did not return a result, so
 `tool_errors / tool_calls` is at most 1. Failures of `create`, `reward` and `release`, which no call
 made, count in `tool_lifecycle_errors`. Every call into a tool goes through `call_plugin`: its
-timeout fires even for a tool that ignores cancellation, and a tool's `SystemExit` or own
-`CancelledError` fails that call only. A tool's metric may not reuse a counter's name (those
+timeout fires even for a tool that ignores cancellation, and a tool's `SystemExit`, own
+`CancelledError` or other BaseException of its own fails that call only. A tool's metric may not reuse a counter's name (those
 above, and `tool/<name>/...`) or one the episode sets (`types.EPISODE_METRICS`: `error`, `turns`,
 `outcome_reward`, ...): it is dropped and counted in `tool_invalid_results`.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -168,10 +169,12 @@ class ToolEnv:
                 self.step_rewards.append(reward)
             for key, value in (result.metrics.items() if isinstance(result.metrics, dict) else ()):
                 number = finite_number(value)
-                if number is None or not isinstance(key, str) or key in self.counters or key.startswith("tool/"):
+                named = isinstance(key, str) and key not in self.counters and not key.startswith("tool/")
+                total = self.metrics.get(key, 0.0) + number if named and number is not None else math.nan
+                if not math.isfinite(total):  # no number, a taken name, or a sum that overflows (NaN once averaged)
                     self.metrics["tool_invalid_results"] += 1
                     continue
-                self.metrics[key] = self.metrics.get(key, 0.0) + number
+                self.metrics[key] = total
         return text
 
     async def finish(self) -> float:

@@ -23,7 +23,9 @@ warning names the plug-in once, since nothing can interrupt it. `asyncio.wait_fo
 ran out of time and then waits for it to end, without a limit: a tool that swallows cancellation
 (a retry loop under a bare `except:`) would hold its episode, and the whole step, forever. And what a
 plug-in raises outside `Exception` (`SystemExit` from an argparse or click wrapper, a
-`CancelledError` of its own) would end the rollout, or the tool server, instead of the one call.
+`CancelledError` or another BaseException of its own) would end the rollout, or the tool server,
+instead of the one call. A KeyboardInterrupt raised on the event loop's thread stays one: it may be
+the user's Ctrl-C, landing while a plug-in runs.
 """
 
 from __future__ import annotations
@@ -195,8 +197,8 @@ class CallTimeout(TimeoutError):
 
 
 class PluginError(Exception):
-    """What a plug-in raised outside `Exception` (`SystemExit`, its own `CancelledError`), as an
-    ordinary failure of the one call."""
+    """What a plug-in raised outside `Exception` (`SystemExit`, its own `CancelledError` or other
+    BaseException), as an ordinary failure of the one call."""
 
     def __init__(self, error: BaseException):
         super().__init__(str(error))
@@ -313,7 +315,14 @@ def warn_if_blocking(name: str, held_s: float, advice: str) -> None:
 async def _contained(coro: Coroutine[Any, Any, T] | _Stepwise) -> T:
     try:
         return await coro
-    except SystemExit as e:  # a Task would re-raise it out of the event loop, ending the process
+    except (Exception, asyncio.CancelledError, KeyboardInterrupt, GeneratorExit):
+        # An ordinary failure, a cancellation (call_plugin tells its own from the plug-in's), a
+        # Ctrl-C landing on the loop's thread while the plug-in runs there, the coroutine's closing.
+        raise
+    except BaseException as e:
+        # SystemExit: a Task would re-raise it out of the event loop, ending the process. A
+        # plug-in's own BaseException (gevent's Timeout, an Abort of its own) would pass every
+        # `except Exception` of a create, reward or release, leaving the other instances unreleased.
         raise PluginError(e) from e
 
 
