@@ -37,6 +37,19 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     pass
         return super().construct_mapping(node, deep)
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """PyYAML's, except that a value its constructors fail on (`2024-02-30` read as a date,
+        `!!int abc`) is a YAML error at that value's line, not a bare ValueError naming no file."""
+        try:
+            return super().construct_object(node, deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, TypeError, AttributeError, OverflowError) as e:
+            shown = repr(node.value) if isinstance(node, yaml.ScalarNode) else "the value"
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {shown} as {node.tag.rsplit(':', 1)[-1]} ({type(e).__name__}: {e}); "
+                "quote it if it is text", node.start_mark) from None
+
 
 def one_line(e: Exception) -> str:
     return " ".join(str(e).split())
@@ -60,3 +73,5 @@ def load_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({one_line(e)})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML (nested too deeply)") from None

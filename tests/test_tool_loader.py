@@ -36,6 +36,21 @@ class ComputedSchema(Schemaless):
         return {"type": "function", "function": {"name": "computed", "parameters": {"type": "object"}}}
 
 
+class Options(Schemaless):
+    """Takes any option, each as text."""
+
+    schema = {"type": "function", "function": {"name": "options", "parameters": {"type": "object"}}}
+
+    def __init__(self, **options: str):
+        self.options = options
+
+
+class NoArguments(Schemaless):
+    schema = {"type": "function", "function": {"name": "no_arguments", "parameters": {"type": "object"}}}
+
+    async def execute(self, instance_id): return "ok"  # noqa: E704 - the episode passes the arguments too
+
+
 class RefusingSet:
     """A ToolSet whose server refuses to list its tools."""
 
@@ -136,6 +151,28 @@ def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
      "tool 'pick' (#1): schema.function.parameters: $ref 'urn:pick#/properties/mode/allOf/0' does not point to a "
      "place inside the schema once 'nullable: true' is spelt as JSON Schema (write a $ref into a nullable node as "
      "'#/...', a pointer from the top of the parameters)"),
+    # PyYAML's constructors raised a bare ValueError naming no file (a date that is none, a bad tag).
+    ("tools:\n  - class: check_answer\n    config: {tolerance: 2024-02-30}\n",
+     "not valid YAML (cannot read '2024-02-30' as timestamp (ValueError: day is out of range for month); quote it "
+     "if it is text in \"<unicode string>\", line 3, column 25"),
+    ("tools:\n  - class: check_answer\n    config: {tolerance: !!int abc}\n", "cannot read 'abc' as int"),
+    ("tools: " + "[" * 3000 + "\n", "not valid YAML (nested too deeply)"),
+    # A number key next to text keys: sorting them raised a TypeError that hid the key.
+    ("tools:\n  - class: calculator\n    1: a\n    b: c\n",
+     "tool #1 (class 'calculator'): unknown key '1' (allowed: class, config, schema)"),
+    # A value of a **options: str constructor was checked against that type by its name only, and
+    # then failed with a KeyError.
+    ("tools:\n  - class: tests.test_tool_loader:Options\n    config: {mode: 5}\n",
+     "config.mode = 5: expected str (Input should be a valid string)"),
+    ("tools:\n  - class: tests.test_tool_loader:NoArguments\n",
+     "'tests.test_tool_loader:NoArguments' method execute(instance_id) cannot be called as "
+     "execute(instance_id, arguments) (too many positional arguments)"),
+    ("tools:\n  - class: math:sqrt\n    schema: {type: function, function: {name: root, parameters: {type: object, "
+     "properties: {}}}}\n", "sqrt() takes ['x'] by position only, and a tool's arguments are passed by name"),
+    ("tools:\n  - class: tests.test_tool_loader:Schemaless\n    schema: {type: function, function: {name: s, "
+     "parameters: {type: object, properties: {on: {type: boolean}}}}}\n",
+     "tool 's' (#1): schema.function.parameters.properties: key True is not text (YAML reads unquoted on, off, yes "
+     "and no as booleans, digits as numbers: quote it)"),
 ])
 def test_bad_tool_files(tmp_path, body, message):
     path = write(tmp_path, body)

@@ -109,7 +109,7 @@ def build_tools(entry: Any) -> list[Tool]:
 def _instantiate(entry: Any) -> Any:
     if not isinstance(entry, dict):
         raise ValueError("each tool must be a mapping with a 'class' key")
-    unknown = sorted(set(entry) - ENTRY_KEYS)
+    unknown = sorted(str(key) for key in set(entry) - ENTRY_KEYS)  # str: YAML keys may be numbers
     if unknown:
         raise ValueError(f"unknown key '{unknown[0]}' (allowed: {', '.join(sorted(ENTRY_KEYS))})")
     problem = class_problem(entry)
@@ -146,20 +146,21 @@ def typed_config(cls: type, config: dict[str, Any]) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - a plug-in's unresolvable annotation: the constructor decides
         return config
     named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    takes_any_key = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    any_key = next((p for p in parameters.values() if p.kind is p.VAR_KEYWORD), None)  # **options: str
     typed: dict[str, Any] = {}
     for key, value in config.items():
-        if key not in named and not takes_any_key:
+        parameter = named.get(key, any_key)
+        if parameter is None:
             raise ValueError(f"config: unknown key '{key}' (allowed: {', '.join(sorted(named)) or 'none'})")
         typed[key] = value
-        if key not in hints:
+        if parameter.name not in hints:
             continue
         try:
-            typed[key] = pydantic.TypeAdapter(hints[key]).validate_python(value)
+            typed[key] = pydantic.TypeAdapter(hints[parameter.name]).validate_python(value)
         except pydantic.PydanticUserError:  # a type pydantic cannot check: the constructor decides
             pass
         except pydantic.ValidationError as e:
-            annotation = named[key].annotation
+            annotation = parameter.annotation
             expected = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
             raise ValueError(f"config.{key} = {masked({key: value})[key]!r}: expected {expected} "
                              f"({e.errors()[0]['msg']})") from None
@@ -222,6 +223,31 @@ def _check_tool(instance: Any, ref: str) -> None:
     problem = async_problem(instance, ("create", "execute", "reward", "release"))
     if problem:  # blocking code belongs in a plain function, which runs on a thread
         raise ValueError(f"'{ref}' {problem}{' (or write the tool as a plain function)' if 'async' in problem else ''}")
+    problem = calls_problem(instance)
+    if problem:
+        raise ValueError(f"'{ref}' {problem}")
+
+
+# How the episode calls a tool instance's methods (env/tool_env.py): create also gets the task's
+# answer as ground_truth, and the task's tool_kwargs for that tool.
+TOOL_CALLS = (("create", ("id",), {"ground_truth": None}), ("execute", ("id", {}), {}),
+              ("reward", ("id",), {}), ("release", ("id",), {}))
+
+
+def calls_problem(instance: Any) -> str | None:
+    """Which method cannot take the arguments the episode calls it with, or None: every call to it
+    would otherwise fail with a TypeError, each run, in every episode."""
+    for method, args, kwargs in TOOL_CALLS:
+        try:
+            signature = inspect.signature(getattr(instance, method))
+        except (TypeError, ValueError):  # no signature to read: the call decides
+            continue
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:
+            called = ", ".join(["instance_id", "arguments"][:len(args)] + [f"{k}=..." for k in kwargs])
+            return f"method {method}{signature} cannot be called as {method}({called}) ({e})"
+    return None
 
 
 def _function_tool(fn: Any, schema: Any) -> FunctionTool:
@@ -250,6 +276,9 @@ def _signature_mismatch(fn: Any, schema: dict[str, Any]) -> str | None:
     required = set(spec.get("required") or [])
     named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     name, function = schema["function"]["name"], getattr(fn, "__qualname__", fn)
+    positional = [p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:  # a call passes its arguments by name
+        return f"{function}() takes {positional} by position only, and a tool's arguments are passed by name"
     if not any(p.kind is p.VAR_KEYWORD for p in parameters) and properties - named:
         return (f"the schema of '{name}' has properties {sorted(properties - named)} that "
                 f"{function}() takes no parameter for (it takes {sorted(named)})")

@@ -41,6 +41,9 @@ def check_schema(schema: Any) -> str | None:
     if "strict" in fn and not isinstance(fn["strict"], bool):
         return f"schema.function.strict must be true or false, not {fn['strict']!r}"
     params = fn.get("parameters", {"type": "object", "properties": {}})
+    problem = _key_not_text(params, "schema.function.parameters")
+    if problem:
+        return problem
     if not isinstance(params, dict) or params.get("type") != "object":
         return "schema.function.parameters must be a JSON Schema with type: object"
     try:
@@ -57,6 +60,26 @@ def check_schema(schema: Any) -> str | None:
         return (f"schema.function.parameters: $ref '{dangling}' does not point to a place inside the schema once "
                 "'nullable: true' is spelt as JSON Schema (write a $ref into a nullable node as '#/...', a "
                 "pointer from the top of the parameters)")
+    return None
+
+
+def _key_not_text(node: Any, where: str) -> str | None:
+    """Where a mapping of `node` has a key that is not text, or None. JSON keys are text, but YAML
+    1.1 reads an unquoted `on`, `no` or `yes` as a boolean and `1` as a number: such a property
+    would be shown to the model as true and never be checked against a call."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                return (f"{where}: key {key!r} is not text (YAML reads unquoted on, off, yes and no as booleans, "
+                        "digits as numbers: quote it)")
+            problem = _key_not_text(value, f"{where}.{key}")
+            if problem:
+                return problem
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            problem = _key_not_text(item, f"{where}[{i}]")
+            if problem:
+                return problem
     return None
 
 
