@@ -9,9 +9,10 @@ errors), and `tool_errors` counts the calls among them that did not return a res
 `tool_errors / tool_calls` is at most 1. Failures of `create`, `reward` and `release`, which no call
 made, count in `tool_lifecycle_errors`. Every call into a tool goes through `call_plugin`: its
 timeout fires even for a tool that ignores cancellation, and a tool's `SystemExit`, own
-`CancelledError` or other BaseException of its own fails that call only. A tool's metric may not reuse a counter's name (those
-above, and `tool/<name>/...`) or one the episode sets (`types.EPISODE_METRICS`: `error`, `turns`,
-`outcome_reward`, ...): it is dropped and counted in `tool_invalid_results`.
+`CancelledError` or other BaseException of its own fails that call only. A tool's metric may not
+reuse a counter's name (those above, and `tool/<name>/...`) or one the episode sets
+(`types.EPISODE_METRICS`: `error`, `turns`, `outcome_reward`, ...): it is dropped and counted in
+`tool_invalid_results`.
 
 Malformed call blocks are answered one message each up to the per-turn call limit, and the rest
 in one message: a turn of 60 empty `<tool_call>{}</tool_call>` blocks used to add 60 error messages
