@@ -374,6 +374,29 @@ def test_an_interaction_constructor_that_exits_is_a_config_error_at_load_and_a_f
                                                   "SystemExit: judge CLI: missing --api-key")
 
 
+class Unreachable(BaseException):
+    """A client library's own abort, outside Exception (as gevent's Timeout is)."""
+
+
+class UnreachableJudge(Replying):
+    def __init__(self):
+        raise Unreachable("judge endpoint down")
+
+
+def test_an_interaction_constructor_raising_its_own_base_exception_fails_at_load_or_that_episode(tmp_path, tokenizer):
+    """Only SystemExit was caught: another BaseException left the loader as itself, and mid-run it
+    went through the rollout's `except Exception` and ended the run."""
+    path = tmp_path / "judge.yaml"
+    path.write_text("interactions:\n  - {class: tests.test_interaction_and_rewards:UnreachableJudge}\n")
+    with pytest.raises(ConfigError) as err:
+        load_interaction(path)
+    assert str(err.value) == (f"{path}: interaction 'tests.test_interaction_and_rewards:UnreachableJudge': config {{}} "
+                              "rejected (Unreachable: judge endpoint down)")
+    traj = run_with(tokenizer, UnreachableJudge)  # one that starts failing mid-run: this episode, not the run
+    assert (traj.finish, traj.error) == ("error", "InteractionError: the interaction's constructor raised "
+                                                  "Unreachable: judge endpoint down")
+
+
 def test_a_second_cancellation_during_the_tools_release_still_finishes_the_interaction(tokenizer):
     """finish() was awaited after the tools' release, so a cancellation landing there skipped it and
     a remote judge's session leaked."""

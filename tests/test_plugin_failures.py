@@ -11,6 +11,7 @@ import math
 import os
 import time
 
+import pytest
 from fastapi.testclient import TestClient
 
 from agentrl.env.tool_env import ToolEnv, ToolLimits
@@ -489,6 +490,28 @@ def test_a_failed_episode_keeps_its_turns_and_tool_calls_and_a_grader_exiting_fa
     a, b = run_episodes(runner, [Task(id="a", prompt="Go."), Task(id="b", prompt="Go.")], group_size=1,
                         max_concurrent=2)
     assert (a.finish, a.reward, b.finish, b.error) == ("stop", 1.0, "error", "SystemExit: 2")
+
+
+@pytest.mark.parametrize("raised,error", [
+    (KeyboardInterrupt(), "KeyboardInterrupt"),  # a library turning its own abort into one; no Ctrl-C lands on its thread
+    (Abort("judge gone"), "Abort: judge gone"),
+])
+def test_a_grader_raising_outside_exception_on_its_thread_fails_only_its_episode(tokenizer, raised, error):
+    """The grader runs on a worker thread, so what it raises there is its own: a KeyboardInterrupt
+    went through the episode's `except Exception` and ended the rollout."""
+    def grader(task, messages):
+        if task.id == "b":
+            raise raised
+        return 1.0
+
+    runner = EpisodeRunner(ScriptedEngine(tokenizer, [FINAL, FINAL]), tokenizer, [], parse_hermes, EpisodeSettings(),
+                           reward_fn=grader)
+    try:
+        a, b = run_episodes(runner, [Task(id="a", prompt="Go."), Task(id="b", prompt="Go.")], group_size=1,
+                            max_concurrent=2)
+    except BaseException as e:  # noqa: BLE001 - a KeyboardInterrupt would otherwise stop the whole test session
+        pytest.fail(f"the grader's {type(e).__name__} ended the rollout")
+    assert (a.finish, a.reward, b.finish, b.error) == ("stop", 1.0, "error", error)
 
 
 def test_the_tool_server_exits_on_sigterm_with_a_call_that_swallows_even_its_closing_in_flight(tmp_path):

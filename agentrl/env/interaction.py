@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from agentrl.errors import ConfigError
 from agentrl.tools.loader import (async_problem, class_problem, entry_config, masked, read_yaml_list,
                                   resolve_reference, typed_config)
-from agentrl.tools.threads import failure_text
+from agentrl.tools.threads import NOT_A_PLUGINS_OWN, failure_text
 from agentrl.types import Task
 
 ENTRY_POINT_GROUP = "agentrl.interactions"
@@ -89,8 +89,10 @@ def load_interaction(path: str | Path) -> Callable[[], Interaction]:
 
     try:  # on an event loop, as each episode's instance is: a constructor may need the running loop
         probe = factory() if _loop_running() else asyncio.run(on_a_loop())
-    except (Exception, SystemExit) as e:  # SystemExit: a constructor parsing arguments argparse-style
-        detail = failure_text(e) if isinstance(e, SystemExit) else e  # SystemExit(2) alone reads "2"
+    except NOT_A_PLUGINS_OWN:
+        raise
+    except BaseException as e:  # SystemExit: a constructor parsing arguments argparse-style
+        detail = e if isinstance(e, Exception) else failure_text(e)  # SystemExit(2) alone reads "2"
         raise ConfigError(f"{where}: config {masked(config)} rejected ({detail})") from None
     problem = async_problem(probe, ("start", "respond", "finish"))
     if problem:

@@ -32,7 +32,8 @@ from agentrl.rollout.engine import Engine
 from agentrl.tools.base import REWARD_LIMIT, Tool
 from agentrl.tools.loader import close_tools
 from agentrl.tools.parsers import ParsedTurn
-from agentrl.tools.threads import CallTimeout, PluginError, call_plugin, failure_text, warn_if_blocking
+from agentrl.tools.threads import (NOT_A_PLUGINS_OWN, CallTimeout, call_plugin, failure_text, on_worker_thread,
+                                   warn_if_blocking)
 from agentrl.types import SamplingParams, Task, Trajectory, derive_seed
 from agentrl.yaml_files import one_line
 
@@ -166,11 +167,14 @@ class EpisodeRunner:
         await self._reward(task, traj, env.step_rewards, tool_final, [x for x in scores if x is not None])
 
     def _new_interaction(self) -> Interaction:
-        """This episode's instance; a constructor that fails (or calls sys.exit()) fails the episode."""
+        """This episode's instance; a constructor that fails (raises, calls sys.exit(), raises a
+        BaseException of its own) fails the episode."""
         started = time.perf_counter()
         try:
             return self.interaction_factory()
-        except (Exception, SystemExit) as e:
+        except NOT_A_PLUGINS_OWN:
+            raise
+        except BaseException as e:  # SystemExit, or a BaseException of its own: fails this episode
             raise InteractionError(f"the interaction's constructor raised {failure_text(e)}") from e
         finally:  # it runs on the event loop, once per episode
             warn_if_blocking("the interaction's constructor", time.perf_counter() - started,
@@ -241,10 +245,13 @@ async def threaded_outcome_reward(reward_fn: RewardFn | None, task: Task, messag
 
     Not on the event loop: a grader that calls a judge over HTTP, or runs `asyncio.run` itself,
     would hold every other episode and generation while it runs (or fail, as `asyncio.run` does
-    inside a running loop), and one that hangs would hang the run."""
+    inside a running loop), and one that hangs would hang the run. What it raises outside
+    `Exception` there (a SystemExit from a grader wrapping an argparse- or click-style program, a
+    KeyboardInterrupt or a BaseException of its own) fails this episode only."""
     if reward_fn is None:
         return 0.0
-    work = asyncio.to_thread(outcome_reward, reward_fn, copy.deepcopy(task), copy.deepcopy(messages))
+    work = asyncio.to_thread(on_worker_thread, outcome_reward, reward_fn=reward_fn, task=copy.deepcopy(task),
+                             messages=copy.deepcopy(messages))
     try:
         return await call_plugin(work, timeout_s, "the reward function")
     except CallTimeout:
@@ -256,10 +263,7 @@ def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[s
     keeps it out of training (a NaN would poison every advantage of its group)."""
     if reward_fn is None:
         return 0.0
-    try:
-        value = reward_fn(task, messages)
-    except SystemExit as e:  # a grader wrapping an argparse- or click-style program: fails this episode only
-        raise PluginError(e) from e
+    value = reward_fn(task, messages)
     try:
         number = float(value) if not isinstance(value, (str, bytes)) else math.nan
     except (TypeError, ValueError):

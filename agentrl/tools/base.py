@@ -22,7 +22,7 @@ import pydantic
 from transformers.utils import get_json_schema
 
 from agentrl.tools.schema import with_nullable
-from agentrl.tools.threads import DaemonExecutor, PluginError, ThreadCall
+from agentrl.tools.threads import DaemonExecutor, ThreadCall, on_worker_thread
 
 
 @dataclass
@@ -128,7 +128,7 @@ class FunctionTool:
         if self._threads is None:
             result = await self.fn(**arguments)
         else:
-            call = ThreadCall(functools.partial(_on_thread, self.fn, arguments))
+            call = ThreadCall(functools.partial(on_worker_thread, self.fn, **arguments))
             try:
                 result = await asyncio.get_running_loop().run_in_executor(self._threads, call.run)
             except asyncio.CancelledError:  # timed out or the episode ended: the thread runs on
@@ -244,12 +244,3 @@ def json_value(value: Any) -> Any:
 # The largest reward magnitude training takes: advantages and returns are float32, and whitening
 # squares them (1e9² is far inside float32; 1e20² is infinity, and then every advantage is NaN).
 REWARD_LIMIT = 1e9
-
-
-def _on_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
-    """A sync tool's call on its daemon thread. No real Ctrl-C lands there, so a KeyboardInterrupt
-    (or SystemExit) is the tool's own: it fails this call instead of ending the run."""
-    try:
-        return fn(**arguments)
-    except (KeyboardInterrupt, SystemExit) as e:
-        raise PluginError(e) from e

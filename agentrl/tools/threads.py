@@ -205,6 +205,25 @@ class PluginError(Exception):
         self.error = error
 
 
+# What a plug-in running on the event loop's thread may raise that is not its own failure: a
+# cancellation (of its task, by its caller), the user's Ctrl-C landing while it runs, the closing of
+# its coroutine. Everything else outside `Exception` is the plug-in's own and fails only its call.
+NOT_A_PLUGINS_OWN = (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)
+
+
+def on_worker_thread(fn: Callable[..., T], /, **arguments: Any) -> T:
+    """`fn(**arguments)` as a plug-in's synchronous call on a worker thread. No real Ctrl-C or
+    cancellation lands on such a thread, so whatever it raises outside `Exception` (a
+    KeyboardInterrupt, a SystemExit, a BaseException of its own) is the plug-in's: it fails this
+    call, as a PluginError, instead of ending the run."""
+    try:
+        return fn(**arguments)
+    except Exception:
+        raise
+    except BaseException as e:
+        raise PluginError(e) from e
+
+
 def failure_text(error: BaseException) -> str:
     """`Type: message` of a plug-in's exception, the original type for a PluginError."""
     error = error.error if isinstance(error, PluginError) else error
@@ -315,7 +334,7 @@ def warn_if_blocking(name: str, held_s: float, advice: str) -> None:
 async def _contained(coro: Coroutine[Any, Any, T] | _Stepwise) -> T:
     try:
         return await coro
-    except (Exception, asyncio.CancelledError, KeyboardInterrupt, GeneratorExit):
+    except (Exception, *NOT_A_PLUGINS_OWN):
         # An ordinary failure, a cancellation (call_plugin tells its own from the plug-in's), a
         # Ctrl-C landing on the loop's thread while the plug-in runs there, the coroutine's closing.
         raise
