@@ -26,6 +26,11 @@ def value_types(annotation: Any) -> tuple[set[Any], bool]:
     return kinds, type(None) in args
 
 
+# A timeout: above 0, and at most a year. Beyond that a value only overflows where it is used
+# (`timedelta(seconds=1e14)` in the ranks' process-group set-up, a thread's `wait`), deep in a run.
+MAX_TIMEOUT_S = 365 * 24 * 3600
+Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)]
+
 # Operands longer than this make expressions past the calculator's 500-character limit.
 MAX_DIGITS = 50
 
@@ -54,7 +59,10 @@ Device = Annotated[str, AfterValidator(_check_device)]
 
 def _home(path: str) -> str:
     """`~` expanded, as a shell would have done on a command line: a recipe or an override that
-    names `~/runs/x` must not write to a directory called `~` under the working directory."""
+    names `~/runs/x` must not write to a directory called `~` under the working directory. A NUL
+    byte names no file: refused here rather than when the run first opens the path."""
+    if "\0" in path:
+        raise ValueError("a path cannot contain a NUL byte")
     return os.path.expanduser(path)
 
 
@@ -133,13 +141,13 @@ class RolloutConfig(_Section):
     max_concurrent_episodes: int = Field(64, ge=1, description="Episodes in flight at once.")
     max_turns: int = Field(4, ge=1, description="Assistant turns per episode.")
     max_tool_calls_per_turn: int = Field(4, ge=1, description="Calls run per turn; extra calls get an error.")
-    tool_timeout_s: float = Field(10.0, gt=0, description="Seconds a tool call may take.")
+    tool_timeout_s: Seconds = Field(10.0, description="Seconds a tool call may take.")
     parallel_tool_calls: bool = Field(True, description="A turn's tool calls run at once; false runs them one "
                                                         "after another in the order written, for tools whose "
                                                         "state one call changes for the next.")
-    interaction_timeout_s: float = Field(
-        60.0, gt=0, description="Seconds one call into the interaction (start, respond, finish) may take; "
-                                "past it the episode fails (finish: error) and the run goes on.")
+    interaction_timeout_s: Seconds = Field(
+        60.0, description="Seconds one call into the interaction (start, respond, finish) may take; "
+                          "past it the episode fails (finish: error) and the run goes on.")
     max_tool_output_tokens: int = Field(256, ge=8, description="Tool output beyond this is cut, with a marker.")
     max_interaction_tokens: int = Field(1024, ge=8, description="An interaction's reply (a simulated user's "
                                                                 "turn) beyond this is cut, with a marker.")
@@ -151,9 +159,9 @@ class RolloutConfig(_Section):
                                                       "biased gradient; a warning says so).")
     agent: str | None = Field(None, description="Agent function 'module:attr' run against the OpenAI-compatible "
                                                 "endpoint instead of the builtin loop (null: builtin).")
-    agent_timeout_s: float = Field(
-        1800.0, gt=0, description="Seconds one episode of the agent function may take, its requests to the "
-                                  "engine included; past it the episode fails (finish: error) and the run goes on.")
+    agent_timeout_s: Seconds = Field(
+        1800.0, description="Seconds one episode of the agent function may take, its requests to the "
+                            "engine included; past it the episode fails (finish: error) and the run goes on.")
 
 
 class SGLangConfig(_Section):
@@ -166,7 +174,7 @@ class SGLangConfig(_Section):
     attention_backend: str | None = Field(
         None, description="SGLang attention kernels (null: SGLang's choice on GPU, torch_native on CPU).")
     update_bucket_bytes: int = Field(512 * 2**20, ge=2**20, description="Bytes of weights sent per update call.")
-    timeout_s: float = Field(600.0, gt=0, description="Server mode: seconds a request, or a launch, may take.")
+    timeout_s: Seconds = Field(600.0, description="Server mode: seconds a request, or a launch, may take.")
     extra_args: dict[str, Any] = Field(default_factory=dict,
                                        description="Further SGLang server arguments, e.g. {context_length: 4096}.")
 
@@ -189,9 +197,9 @@ class RewardConfig(_Section):
     tool_step_rewards: bool = Field(False, description="Add the tools' per-call rewards.")
     tool_final_rewards: bool = Field(False, description="Add each tool's end-of-episode reward.")
     interaction_scores: bool = Field(False, description="Add the interaction's scores.")
-    timeout_s: float = Field(60.0, gt=0, description="Seconds the reward function may take for one episode (it "
-                                                     "runs on a worker thread, several episodes' at once); past "
-                                                     "it the episode fails (finish: error) and the run goes on.")
+    timeout_s: Seconds = Field(60.0, description="Seconds the reward function may take for one episode (it "
+                                                 "runs on a worker thread, several episodes' at once); past "
+                                                 "it the episode fails (finish: error) and the run goes on.")
 
 
 class SFTConfig(_Section):
@@ -280,9 +288,9 @@ class TrainerConfig(_Section):
     ray_address: str | None = Field(None, description="Join this Ray cluster (multi-node); null: start a local "
                                                       "Ray for the run.")
     sync_bucket_mb: int = Field(256, ge=1, description="Weight-sync bucket size sent to the engines, in MiB.")
-    collective_timeout_s: float = Field(600.0, gt=0, description="Timeout of each collective between ranks.")
-    call_timeout_s: float = Field(7200.0, gt=0, description="Longest a worker may take to answer one call "
-                                                            "(a rollout, an update) before the run stops.")
+    collective_timeout_s: Seconds = Field(600.0, description="Timeout of each collective between ranks.")
+    call_timeout_s: Seconds = Field(7200.0, description="Longest a worker may take to answer one call "
+                                                        "(a rollout, an update) before the run stops.")
 
     @field_validator("resume", mode="before")
     @classmethod
@@ -336,9 +344,9 @@ class RecipeConfig(_Section):
     def _derive(self) -> "RecipeConfig":
         if self.output_dir is None:
             name = self.name  # runs/<name> must stay a run of its own under runs/
-            if not name or name in (".", "..") or "/" in name or "\\" in name:
+            if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
                 raise ValueError(f"name {name!r} names the output directory runs/<name> (output_dir unset), so it "
-                                 "must be one directory name (no '/', not empty, '.' or '..')")
+                                 "must be one directory name (no '/' or NUL byte, not empty, '.' or '..')")
             self.output_dir = str(Path("runs") / self.name)
         if self.data.arithmetic.min_digits > self.data.arithmetic.max_digits:
             raise ValueError("data.arithmetic.min_digits is larger than max_digits")

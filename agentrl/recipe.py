@@ -62,6 +62,9 @@ def check_training(config: RecipeConfig) -> None:
     if t.backend == "local" and (t.world_size > 1 or t.engine_replicas > 1):
         raise ConfigError(f"trainer.world_size ({t.world_size}) and trainer.engine_replicas ({t.engine_replicas}) "
                           "above 1 need trainer.backend 'ray'")
+    if t.backend == "local" and t.ray_address:  # else the run trains alone here, not on the cluster asked for
+        raise ConfigError(f"trainer.ray_address ({t.ray_address!r}) joins a Ray cluster, which only trainer.backend "
+                          "'ray' uses (backend 'local' runs every role in this process)")
     if t.placement == "colocated" and t.engine_replicas > t.world_size:
         raise ConfigError(f"trainer.placement 'colocated' puts each engine beside a training rank: "
                           f"trainer.engine_replicas ({t.engine_replicas}) must not exceed trainer.world_size "
@@ -252,7 +255,10 @@ def check_output_dirs(config: RecipeConfig, keys: tuple[str, ...]) -> None:
     and on /proc."""
     for key in keys:
         path = Path(config_value(config, key))
-        existing = next(p for p in (path, *path.parents) if p.exists())
+        try:  # exists() raises what is not "no such file": a name too long, a parent not searchable
+            existing = next(p for p in (path, *path.parents) if p.exists())
+        except OSError as e:
+            raise ConfigError(f"{key}: '{path}' cannot be used ({e.strerror or e})") from None
         if not existing.is_dir():
             where = "" if existing == path else f" cannot be created: '{existing}'"
             raise ConfigError(f"{key}: '{path}'{where} is a file, not a directory")
@@ -310,23 +316,28 @@ def named_in(message: str, overrides: list[str]) -> str | None:
 def blamed(e: ValidationError, overrides: list[str]) -> str | None:
     """"override '<it>'" when the value the first error is about came from an override (the last
     one that set that key or a section above it), else None: the recipe file wrote it."""
-    where = [str(p) for p in e.errors()[0]["loc"]]
+    first = e.errors()[0]
+    where = [str(p) for p in first["loc"]]
 
     def sets_it(override: str) -> bool:
         key, _, raw = override.partition("=")
         parts = key.split(".")
-        if where and len(parts) > len(where) and parts[: len(where)] == where:
-            return True  # it sets something inside what the error is about ('foo.bar=1': unknown key 'foo')
+        if (first["type"] == "extra_forbidden" and where and len(parts) > len(where)
+                and parts[: len(where)] == where):
+            return True  # it sets something inside the unknown key the error is about ('foo.bar=1': 'foo')
         if not where or where[: len(parts)] != parts:
             return False
-        try:  # a mapping given for a section: does it hold the rest of the path?
-            value = yaml.safe_load(raw) if len(parts) < len(where) else None
+        try:  # a mapping given for a section, or a list: does it hold the rest of the path?
+            value = yaml.load(raw, Loader=UniqueKeyLoader) if len(parts) < len(where) else None
         except yaml.YAMLError:
             return False
         for part in where[len(parts):]:
-            if not isinstance(value, dict) or part not in value:
+            if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+                value = value[int(part)]  # 'data.files=[1]': the error is at data.files.0
+            elif isinstance(value, dict) and part in value:
+                value = value[part]
+            else:
                 return False
-            value = value[part]
         return True
 
     setting = [o for o in overrides if sets_it(o)]

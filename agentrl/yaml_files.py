@@ -1,6 +1,7 @@
 """Reading a user's YAML file (a recipe, a tool or interaction file): UTF-8 text, PyYAML's safe
 loader, and a key repeated in one mapping is an error naming both lines rather than PyYAML's silent
-last-one-wins, which would drop a whole section without a word."""
+last-one-wins, which would drop a whole section without a word. So is a plain number YAML 1.1
+reads as nobody means it (`010` as 8, `1:30` as 90), which the overrides' parser reads as decimal."""
 
 from __future__ import annotations
 
@@ -49,6 +50,34 @@ class UniqueKeyLoader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(
                 None, None, f"cannot read {shown} as {node.tag.rsplit(':', 1)[-1]} ({type(e).__name__}: {e}); "
                 "quote it if it is text", node.start_mark) from None
+
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """PyYAML's, except for the YAML 1.1 readings nobody means in a recipe or a tool file: `010`
+        is 8 (octal) and `1:30` is 90 (base 60). Such a value is an error at its line saying what
+        it read as; `0x0a` and `0b11` say what they are and stay numbers."""
+        value = super().construct_yaml_int(node)
+        text = node.value.replace("_", "").lstrip("+-")
+        if node.style is None and (":" in text or (text.startswith("0") and text.isdigit()
+                                                     and value != int(node.value.replace("_", ""), 10))):
+            base = "base 60" if ":" in text else "a leading 0 makes it octal"
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} reads as {value} in YAML 1.1 ({base}); write the number as it is "
+                "meant, or quote it if it is text", node.start_mark)
+        return value
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        """PyYAML's, except that a base-60 float (`1:30.5`, 90.5) is an error, as in construct_yaml_int."""
+        value = super().construct_yaml_float(node)
+        if node.style is None and ":" in node.value:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} reads as {value} in YAML 1.1 (base 60); write the number as it is "
+                "meant, or quote it if it is text", node.start_mark)
+        return value
+
+
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", UniqueKeyLoader.construct_yaml_float)
 
 
 def one_line(e: Exception) -> str:

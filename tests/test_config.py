@@ -46,7 +46,7 @@ def test_recipe_and_overrides():
     ("algorithm.clip_low=1", "algorithm.clip_low: Input should be less than 1"),
     ("data.arithmetic.max_digits=200", "data.arithmetic.max_digits: Input should be less than or equal to 50"),
     ("name=..", "name '..' names the output directory runs/<name> (output_dir unset), so it must be one directory "
-                "name (no '/', not empty, '.' or '..')"),
+                "name (no '/' or NUL byte, not empty, '.' or '..')"),
     ("name=/tmp", "name '/tmp' names the output directory runs/<name>"),
     ("name=''", "name '' names the output directory runs/<name>"),
     # the files were ignored and generated tasks ran instead
@@ -261,9 +261,28 @@ def recipe_error(tmp_path, text: str | bytes) -> str:
     (b"name: \xff\xfe\n", "not UTF-8 text (byte 0xff at offset 6)"),
     ("trainer: {steps: true}\n", "trainer.steps: expected a number, not a boolean (got True)"),
     ("trainer: {lr: yes}\n", "trainer.lr: expected a number, not a boolean (got True)"),
+    # YAML 1.1 read these as 8 and 90 without a word; an override of the same text reads decimal
+    ("trainer: {steps: 010}\n", "not valid YAML ('010' reads as 8 in YAML 1.1 (a leading 0 makes it octal); write "
+                                "the number as it is meant, or quote it if it is text in \"<unicode string>\", line 1, "
+                                "column 18: trainer: {steps: 010} ^)"),
+    ("name: a\nseed: 1:30\n", "not valid YAML ('1:30' reads as 90 in YAML 1.1 (base 60); write the number as it is "
+                              "meant, or quote it if it is text in \"<unicode string>\", line 2, column 7: seed: 1:30 ^)"),
+    ("trainer:\n  lr: 1:30.5\n", "not valid YAML ('1:30.5' reads as 90.5 in YAML 1.1 (base 60); write the number as "
+                                 "it is meant, or quote it if it is text in \"<unicode string>\", line 2, column 7: "
+                                 "lr: 1:30.5 ^)"),
 ])
 def test_recipe_files_that_would_load_something_else_than_written(tmp_path, text, message):
     assert recipe_error(tmp_path, text) == message
+
+
+def test_numbers_yaml_reads_as_written_still_load(tmp_path):
+    """Only the octal and base-60 readings are refused: a 0 alone, a leading 0 that reads the same
+    either way, hexadecimal, underscores and quoted text stay what they were."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: '010'\nseed: 007\ntrainer: {steps: 0x0a, save_every: 0, tasks_per_step: 1_000}\n")
+    config = load_recipe(recipe)
+    assert (config.name, config.seed, config.trainer.steps, config.trainer.save_every,
+            config.trainer.tasks_per_step) == ("010", 7, 10, 0, 1000)
 
 
 def test_merge_keys_may_override_what_they_merge(tmp_path):
@@ -434,6 +453,54 @@ def test_a_bad_value_from_an_override_is_blamed_on_the_override_not_the_file(tmp
     with pytest.raises(ConfigError) as err:
         load_recipe(path, ["trainer={steps: 3}"])
     assert str(err.value).startswith(f"{path}: trainer.lr: Input should be a valid number")
+
+
+def test_a_bad_list_item_is_blamed_on_its_override_and_a_files_section_error_on_the_file(tmp_path):
+    """A list item's error (at data.files.0) was blamed on the recipe file, which never wrote it; a
+    section check failing on the file's keys was blamed on any override inside that section."""
+    for overrides, message in [
+        (["data.source=files", "data.files=[1]"], "override 'data.files=[1]': data.files.0: Input should be a valid "
+                                                 "string (got 1)"),
+        (["rollout.tool_configs=[a, 5]"], "override 'rollout.tool_configs=[a, 5]': rollout.tool_configs.1: Input "
+                                          "should be a valid string (got 5)")]:
+        with pytest.raises(ConfigError) as err:
+            load_recipe("recipes/quickstart.yaml", overrides)
+        assert str(err.value) == message
+    path = tmp_path / "r.yaml"
+    path.write_text("name: r\ntrainer: {bf16_autocast: true, dtype: float32}\n")
+    with pytest.raises(ConfigError) as err:
+        load_recipe(path, ["trainer.steps=5"])
+    assert str(err.value) == f"{path}: trainer.bf16_autocast and trainer.dtype are both set; keep only dtype"
+    with pytest.raises(ConfigError) as err:  # an unknown key inside an unknown section is still the override's
+        load_recipe("recipes/quickstart.yaml", ["trainer.steps=5", "foo.bar=1"])
+    assert str(err.value) == "override 'foo.bar=1': unknown key 'foo'"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    # timedelta(seconds=1e14) overflowed in each rank's process-group set-up, after Ray had started
+    (["trainer.collective_timeout_s=1e14"], "trainer.collective_timeout_s: Input should be less than or equal to "
+                                            "31536000 (got '1e14')"),
+    (["rollout.tool_timeout_s=1e300"], "rollout.tool_timeout_s: Input should be less than or equal to 31536000"),
+    # a NUL byte passed every check (Path.exists says False) and failed when the run made the directory
+    (["name=a\0b"], "name 'a\\x00b' names the output directory runs/<name> (output_dir unset), so it must be one "
+                    "directory name (no '/' or NUL byte, not empty, '.' or '..')"),
+    (["output_dir=/tmp/a\0b"], "output_dir: a path cannot contain a NUL byte (got '/tmp/a\\x00b')"),
+    # the run trained alone in this process instead of on the cluster
+    (["trainer.ray_address=10.1.2.3:6379"], "trainer.ray_address ('10.1.2.3:6379') joins a Ray cluster, which only "
+                                            "trainer.backend 'ray' uses (backend 'local' runs every role in this "
+                                            "process)"),
+])
+def test_values_that_would_fail_deep_in_a_run_stop_at_load(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/quickstart.yaml", overrides, for_training=True)
+    assert str(err.value).startswith(f"override '{overrides[-1]}': {message}"), str(err.value)
+
+
+def test_a_name_too_long_for_the_file_system_is_a_config_error_not_a_traceback():
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", "name=" + "a" * 300],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (2, f"agentrl: error: override 'name={'a' * 300}': output_dir: "
+                                                 f"'runs/{'a' * 300}' cannot be used (File name too long)\n")
 
 
 def test_optional_path_fields_take_override_text_verbatim():
