@@ -405,3 +405,55 @@ def test_text_a_token_takes_in_beyond_its_own_characters_is_counted_not_refused(
     assert ids == renderer.encode(text) and len(ids) <= 3
     with pytest.raises(PromptTooLong):
         renderer.encode_rendered(" hi" * 50_000, [], lambda marked: "", limit=10)
+
+
+@pytest.mark.parametrize("arguments,rendered", [
+    ('{"expression": ' + "9" * 5000 + "}", "9" * 5000),  # json.loads: a ValueError past Python's 4300-digit limit
+    ('{"expression": "\\ud800"}', "\\ud800"),  # half a surrogate pair, which the tokenizer cannot take
+    ('{"expression": NaN}', "NaN"),  # no JSON number: the session's record could not be answered any more
+], ids=["huge-integer", "lone-surrogate", "nan"])
+def test_call_arguments_python_reads_but_json_has_not_are_kept_as_sent_text(tokenizer, arguments, rendered):
+    """Each was a 500 (the first two), or recorded a NaN that made the session's GET and DELETE
+    fail after the DELETE had dropped it. Like any arguments that are not JSON, they are the
+    string the client sent."""
+    import httpx
+
+    engine = ScriptedEngine(tokenizer, [ANSWER])  # room for 5000 digits, a token each
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings(max_context_tokens=8192))
+    server = BackgroundServer(create_app(service))
+    server.start()
+    try:
+        messages = [*TASK.messages(), {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "4"}]
+        reply = httpx.post(f"{server.base_url}/chat/completions", json={"messages": messages},
+                           headers={"X-Agentrl-Session": "s"}, timeout=60)
+        assert (reply.status_code, reply.json()["choices"][0]["message"]["content"]) == (200, ANSWER)
+        prompt = tokenizer.decode(engine.prompts[0])
+        assert rendered in prompt  # the string, as the template renders a string
+        sessions = f"{server.base_url.removesuffix('/v1')}/agentrl/sessions/s"
+        assert [httpx.get(sessions).status_code, httpx.delete(sessions).status_code,
+                httpx.get(sessions).status_code] == [200, 200, 404]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("where,body", [
+    ("messages.1.tool_calls.0.function.arguments.expression", {"messages": [
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "calculator",
+                                                                      "arguments": {"expression": float("nan")}}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "4"}]}),
+    ("tools.0.function.parameters.default", {"messages": [{"role": "user", "content": "Go."}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"default": float("inf")}}}]}),
+])
+def test_a_nan_or_infinity_in_a_request_is_a_400_naming_where(served, where, body):
+    import httpx
+
+    server, engine = served(["unused"])
+    reply = httpx.post(f"{server.base_url}/chat/completions", content=json.dumps(body),  # json.dumps writes NaN
+                       headers={"content-type": "application/json", "X-Agentrl-Session": "s"}, timeout=60)
+    value = body["messages"][1]["tool_calls"][0]["function"]["arguments"]["expression"] if "messages.1" in where \
+        else body["tools"][0]["function"]["parameters"]["default"]
+    assert (reply.status_code, reply.json()["error"]["message"]) == (400, f"{where}: {value} is not a JSON number")
+    assert engine.prompts == []

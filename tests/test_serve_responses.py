@@ -126,6 +126,12 @@ def test_streamed_response_events_in_order(served):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0.type: only text parts are supported, not 'input_image'"),
     ({"input": [{"type": "function_call_output", "output": "1"}]}, "input.0.call_id: Field required"),
+    # a list or mapping as the type: `in` a dict raised TypeError, a 500
+    ({"input": [{"type": ["message"], "role": "user", "content": "hi"}]},
+     "input.0.type: items of type ['message'] are not supported (messages, function_call and function_call_output "
+     "are)"),
+    ({"input": [{"type": {}, "role": "user", "content": "hi"}]},
+     "input.0.type: items of type {} are not supported (messages, function_call and function_call_output are)"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type: only function tools are supported, not "
                                                          "'web_search'"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools.0.name: Field required"),
@@ -140,6 +146,22 @@ def test_what_the_route_cannot_honour_is_refused_by_name(served, body, message):
     r = httpx.post(f"{server.base_url}/responses", json=body)
     assert (r.status_code, r.json()["error"]["message"]) == (400, message)
     assert r.json()["error"]["type"] == "invalid_request_error" and engine.prompts == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_nan_in_a_tools_schema_is_a_400_before_anything_is_sampled(served, stream):
+    """The answer echoes the tools: JSONResponse refused the NaN after the turn was sampled and
+    recorded (a 500, and the client's retry was counted as a history rewrite), and a stream sent
+    it as a bare NaN, which no client's JSON reader takes."""
+    server, engine = served(["unused"])
+    body = {"input": "hi", "user": "r", "stream": stream,
+            "tools": [{"type": "function", "name": "f", "parameters": {"default": float("nan")}}]}
+    r = httpx.post(f"{server.base_url}/responses", content=json.dumps(body),  # json.dumps writes NaN
+                   headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["message"]) == (400, "tools.0.parameters.default: nan is not a JSON "
+                                                                  "number")
+    assert engine.prompts == []
+    assert httpx.get(f"{server.base_url.removesuffix('/v1')}/agentrl/sessions/r").status_code == 404
 
 
 def test_options_that_ask_for_nothing_here_are_accepted(served):

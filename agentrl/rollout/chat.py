@@ -27,7 +27,7 @@ from typing import Any, Callable
 import jinja2
 
 from agentrl.tools.base import Tool
-from agentrl.tools.parsers import ParsedTurn
+from agentrl.tools.parsers import ParsedTurn, strict_json
 
 # Private-use characters, one of which marks where a literal content goes in a second rendering:
 # the first that the rendering does not already hold (a client may send any character).
@@ -309,7 +309,8 @@ def schema_special_text(schemas: list[dict[str, Any]] | None, special_texts: lis
 def normalize_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
     """A copy of an assistant message whose tool calls are `{type, function: {name, arguments}}`
     with `arguments` a mapping: OpenAI sends them as a JSON string, which templates would quote
-    again. Arguments that are not valid JSON are kept as the string."""
+    again. Arguments that are not strict JSON (strict_json: no NaN, no lone surrogate) are kept as
+    the string; nesting beyond the recursion limit raises RecursionError."""
     calls = message.get("tool_calls")
     if not calls:
         return dict(message)
@@ -318,8 +319,8 @@ def normalize_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
         fn = dict(call.get("function", call))
         if isinstance(fn.get("arguments"), str):
             try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except json.JSONDecodeError:
+                fn["arguments"] = strict_json(fn["arguments"])
+            except ValueError:  # NaN would reach a session's record, which JSON cannot hold
                 pass
         kept = {"id": call["id"]} if isinstance(call, dict) and "id" in call else {}  # templates may render ids
         normalized.append({**kept, "type": "function",

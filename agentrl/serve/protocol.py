@@ -16,6 +16,7 @@ This module does not sample, keep sessions or speak HTTP.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -155,9 +156,25 @@ class ChatRequest(_Strict):
 def parse_request(body: bytes) -> ChatRequest:
     """A validated request, or a RequestError naming the first problem (`messages.0.role: ...`)."""
     try:
-        return ChatRequest.model_validate_json(body)
+        request = ChatRequest.model_validate_json(body)
     except ValidationError as e:
         raise RequestError(describe(e)) from None
+    refuse_non_finite(request)
+    return request
+
+
+def refuse_non_finite(request: BaseModel) -> None:
+    """A RequestError naming the first NaN or infinity in `request` (in a tool's schema, a call's
+    arguments): the JSON reader takes `NaN`, `Infinity` and `1e999`, which no JSON answer can hold,
+    so a session recording them could no longer be read, and an answer echoing them failed after
+    its turn was sampled and recorded."""
+    stack: list[tuple[Any, str]] = [(request.model_dump(exclude_none=True), "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RequestError(f"{where}: {value} is not a JSON number")
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((item, f"{where}.{key}" if where else str(key)) for key, item in reversed(list(items)))
 
 
 def describe(e: ValidationError, prefix: str = "") -> str:

@@ -37,7 +37,7 @@ from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from agentrl.serve.protocol import ChatRequest, RequestError, describe
+from agentrl.serve.protocol import ChatRequest, RequestError, describe, refuse_non_finite
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -118,7 +118,7 @@ class ResponsesRequest(_Strict):
             raise ValueError("input: at least one item is needed")
         for i, item in enumerate(raw):
             kind = item.get("type", "message")
-            if kind not in ITEMS:
+            if not isinstance(kind, str) or kind not in ITEMS:  # a list or mapping: unhashable
                 raise ValueError(f"input.{i}.type: items of type {kind!r} are not supported (messages, "
                                  "function_call and function_call_output are)")
             for field in ("content", "output"):  # an image or file part: named, not a union's two errors
@@ -194,9 +194,11 @@ def _text(content: str | list[TextPart]) -> str:
 def parse_responses_request(body: bytes) -> ResponsesRequest:
     """A validated request, or a RequestError naming the first problem (`input.2.call_id: ...`)."""
     try:
-        return ResponsesRequest.model_validate_json(body)
+        request = ResponsesRequest.model_validate_json(body)
     except ValidationError as e:
         raise RequestError(describe(e)) from None
+    refuse_non_finite(request)
+    return request
 
 
 def response_object(request: ResponsesRequest, answer: dict[str, Any]) -> dict[str, Any]:

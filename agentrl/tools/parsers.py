@@ -89,6 +89,19 @@ def _finite(text: str) -> float:
 _DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 
 
+def strict_json(text: str) -> Any:
+    """`text` as JSON, or a ValueError where Python's reader would take what JSON has not: NaN,
+    Infinity, a number past a float's range, an integer of thousands of digits, or a lone surrogate
+    escape (half a pair, which no UTF-8 text holds). Nesting beyond the recursion limit raises
+    RecursionError."""
+    value = _DECODER.decode(text)
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"a lone surrogate escape, {e.object[e.start]!r}") from None
+    return value
+
+
 def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
     try:
         data: Any = _DECODER.decode(body)
