@@ -457,3 +457,32 @@ def test_a_nan_or_infinity_in_a_request_is_a_400_naming_where(served, where, bod
         else body["tools"][0]["function"]["parameters"]["default"]
     assert (reply.status_code, reply.json()["error"]["message"]) == (400, f"{where}: {value} is not a JSON number")
     assert engine.prompts == []
+
+
+def test_run_tools_answers_every_call_id_past_the_turns_limit_and_json_python_cannot_read():
+    """Six calls with broken arguments, the limit four: the env's one "2 more" message was given
+    the fifth call's id and the sixth got no answer. And arguments past one of Python's JSON limits
+    (5000 digits) raised out of run_tools, failing the episode."""
+    from agentrl.env.tool_env import ToolEnv, ToolLimits
+    from agentrl.serve.agent import AgentContext
+    from agentrl.types import Task
+
+    calls = [{"id": f"c{i}", "function": {"name": "calculator", "arguments": f"[{i}]"}} for i in range(5)] + [
+        {"id": "c5", "function": {"name": "calculator", "arguments": '{"expression": ' + "9" * 5000 + "}"}}]
+
+    async def answers() -> tuple[list[dict], dict]:
+        env = ToolEnv([calculator], ToolLimits(max_calls_per_turn=4), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="p", answer="a"))
+        try:
+            ctx = AgentContext("http://127.0.0.1:1/v1", "s", "m", [calculator], None, env, parse_hermes)
+            return await ctx.run_tools(calls), env.metrics
+        finally:
+            await env.finish()
+
+    messages, metrics = asyncio.run(answers())
+    not_object = "Error: the arguments of 'calculator' must be a JSON object"
+    assert [(m["tool_call_id"], m["content"]) for m in messages] == [(f"c{i}", not_object) for i in range(4)] + [
+        ("c4", f"{not_object}; not read: at most 4 tool calls are answered per turn."),
+        ("c5", "Error: the arguments of 'calculator' are not valid JSON (Exceeds the limit (4300 digits) for integer "
+               "string conversion: value has 5000 digits); not read: at most 4 tool calls are answered per turn.")]
+    assert metrics["parse_errors"] == 6

@@ -55,7 +55,7 @@ from agentrl.serve.service import REFUSAL_CODES, ChatService
 from agentrl.serve.sessions import Session, to_trajectory
 from agentrl.tools.base import Tool
 from agentrl.tools.loader import close_tools, resolve_reference
-from agentrl.tools.parsers import ParsedTurn
+from agentrl.tools.parsers import ParsedTurn, json_limit, strict_json
 from agentrl.tools.threads import CallTimeout, call_plugin, failure_text
 from agentrl.types import Task, ToolCall, Trajectory
 
@@ -99,9 +99,11 @@ class AgentContext:
             fn, arguments = call["function"], call["function"].get("arguments") or "{}"
             problem = f"the arguments of '{fn['name']}' must be a JSON object"  # '"rm -rf"' decodes to a str
             try:
-                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+                arguments = strict_json(arguments) if isinstance(arguments, str) else arguments
             except json.JSONDecodeError as e:
                 problem = f"the arguments of '{fn['name']}' are not valid JSON ({e.msg})"
+            except (ValueError, RecursionError) as e:  # NaN, 5000 digits, a lone surrogate, 5000 levels deep
+                problem = f"the arguments of '{fn['name']}' are not valid JSON ({json_limit(e)})"
             if isinstance(arguments, dict):
                 calls.append(ToolCall(fn["name"], arguments))
                 call_ids.append(call.get("id"))
@@ -109,11 +111,17 @@ class AgentContext:
                 errors.append(problem)
                 error_ids.append(call.get("id"))
         malformed = self._parser(content).errors if content else []
-        answers = await self._env.run_turn(ParsedTurn(calls=calls, errors=errors + malformed))
+        # Every call gets its own answer: past the turn's limit the tools' env folds errors into one
+        # "N more" message, which would answer one call id for several and leave the last unanswered.
+        limit = self._env.limits.max_calls_per_turn
+        answers = await self._env.run_turn(ParsedTurn(calls=calls, errors=errors[:limit] + malformed))
+        self._env.metrics["parse_errors"] += len(errors[limit:])
         self.reparsed += malformed  # a finished turn's were counted when sampled: see `answered_twice`
-        answered = len(call_ids + error_ids)
+        answered = len(call_ids) + len(errors[:limit])
+        not_read = [{"content": f"Error: {problem}; not read: at most {limit} tool calls are answered per turn."}
+                    for problem in errors[limit:]]
         return [{"role": "tool", "tool_call_id": call_id, "content": m["content"]}
-                for call_id, m in zip(call_ids + error_ids, answers)] + \
+                for call_id, m in zip(call_ids + error_ids, answers[:answered] + not_read)] + \
             [{"role": "tool", "name": "parse_error", "content": m["content"]} for m in answers[answered:]]
 
 

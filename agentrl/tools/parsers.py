@@ -108,7 +108,7 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
     except json.JSONDecodeError as e:
         return None, f"the tool call is not valid JSON ({e.msg} at position {e.pos}): {body[:200]}"
     except (ValueError, RecursionError) as e:  # an integer of 5000 digits, arrays nested 1000 deep, NaN
-        return None, f"the tool call is not valid JSON ({_json_limit(e)}): {body[:200]}"
+        return None, f"the tool call is not valid JSON ({json_limit(e)}): {body[:200]}"
     if not isinstance(data, dict):
         return None, "the tool call must be a JSON object with 'name' and 'arguments'"
     name = data.get("name")
@@ -148,7 +148,7 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
-def _json_limit(error: ValueError | RecursionError) -> str:
+def json_limit(error: ValueError | RecursionError) -> str:
     """Python's reason for refusing JSON that is well-formed but past one of its limits."""
     return "nested too deeply" if isinstance(error, RecursionError) else str(error).split(";")[0]
 
