@@ -496,11 +496,19 @@ def test_values_that_would_fail_deep_in_a_run_stop_at_load(overrides, message):
     assert str(err.value).startswith(f"override '{overrides[-1]}': {message}"), str(err.value)
 
 
-def test_a_name_too_long_for_the_file_system_is_a_config_error_not_a_traceback():
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml", "name=" + "a" * 300],
-                          capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stderr) == (2, f"agentrl: error: override 'name={'a' * 300}': output_dir: "
-                                                 f"'runs/{'a' * 300}' cannot be used (File name too long)\n")
+def test_a_name_too_long_for_the_file_system_is_a_config_error_not_a_traceback(tmp_path):
+    """Below a directory that exists, looking the name up raised OSError (a traceback); below one
+    still to be made (runs/ on a fresh clone) it passed every check, and training began before
+    the first mkdir failed."""
+    long = "a" * 300
+    for value, message in [
+        (tmp_path / long, f"'{tmp_path / long}' cannot be used (File name too long)"),
+        (tmp_path / "runs" / long, f"'{tmp_path / 'runs' / long}' cannot be created: the name '{'a' * 32}…' is "
+                                   "300 bytes, beyond the file system's 255")]:
+        done = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "recipes/quickstart.yaml",
+                               f"output_dir={value}"], capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stderr) == (2, f"agentrl: error: override 'output_dir={value}': output_dir: "
+                                                     f"{message}\n")
 
 
 def test_optional_path_fields_take_override_text_verbatim():

@@ -71,12 +71,15 @@ def test_rollout_and_eval_whose_episodes_failed_write_them_then_exit_1_naming_th
 
 
 def interrupting_grader(task, messages):
-    """Grades the first two tasks; on the third the user presses Ctrl-C, or (AGENTRL_TEST_SIGNAL)
-    a supervisor sends the process that signal."""
+    """Grades the first two tasks; on the third the user presses Ctrl-C (SIGINT), or
+    (AGENTRL_TEST_SIGNAL) a supervisor sends the process that signal. The signal lands on the main
+    thread, as a real one does; this grader, on its worker thread, never answers."""
+    import signal
+    import time
+
     if task.id.endswith("-2"):
-        if "AGENTRL_TEST_SIGNAL" in os.environ:
-            os.kill(os.getpid(), int(os.environ["AGENTRL_TEST_SIGNAL"]))
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), int(os.environ.get("AGENTRL_TEST_SIGNAL", signal.SIGINT)))
+        time.sleep(60)
     return 1.0
 
 
