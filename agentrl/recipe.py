@@ -260,14 +260,14 @@ def check_output_dirs(config: RecipeConfig, keys: tuple[str, ...]) -> None:
             existing = next(p for p in (path, *path.parents) if p.exists())
         except OSError as e:
             raise ConfigError(f"{key}: '{path}' cannot be used ({e.strerror or e})") from None
-        longest = os.pathconf(existing, "PC_NAME_MAX") if existing.is_dir() else None
-        for part in path.relative_to(existing).parts if longest else ():  # the names still to be made
-            if len(os.fsencode(part)) > longest:
-                raise ConfigError(f"{key}: '{path}' cannot be created: the name '{part[:32]}…' is "
-                                  f"{len(os.fsencode(part))} bytes, beyond the file system's {longest}")
         if not existing.is_dir():
             where = "" if existing == path else f" cannot be created: '{existing}'"
             raise ConfigError(f"{key}: '{path}'{where} is a file, not a directory")
+        longest = os.pathconf(existing, "PC_NAME_MAX")
+        for part in path.relative_to(existing).parts:  # the names still to be made
+            if len(os.fsencode(part)) > longest:
+                raise ConfigError(f"{key}: '{path}' cannot be created: the name '{part[:32]}…' is "
+                                  f"{len(os.fsencode(part))} bytes, beyond the file system's {longest}")
         try:
             with tempfile.TemporaryFile(dir=existing):
                 pass
