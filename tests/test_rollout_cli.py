@@ -10,8 +10,9 @@ import sys
 import pytest
 import yaml
 
+from agentrl.data import arithmetic_tasks
 from agentrl.recipe import load_recipe
-from agentrl.rollout.run import eval_name, write_run_config
+from agentrl.rollout.run import eval_name, eval_recipe, write_run_config
 
 
 def test_rollout_writes_jsonl_and_summary(tmp_path, tiny_model_dir):
@@ -205,6 +206,28 @@ def test_each_evaluated_model_has_files_of_its_own(tmp_path, monkeypatch):
         "final", "previous_final", "runs_a_final", "runs_b_final", "quickstart", "smollm2-135m-instruct",
         "HuggingFaceTB_SmolLM2-135M"]
     assert eval_name("/models/x", out) == "models_x"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.seed=10000"], "eval.seed 10000 equals data.seed, so the held-out arithmetic tasks would be the training "
+                          "tasks: give eval.seed a seed of its own"),
+    (["sft.seed=7", "eval.seed=7", "sft.min_digits=3", "sft.max_digits=4"],
+     "eval.seed 7 equals sft.seed with the same digits, so the held-out arithmetic tasks would be the warm-up's "
+     "demonstrations: give eval.seed a seed of its own"),
+])
+def test_eval_on_the_training_tasks_stops_before_the_model_loads(tmp_path, agentrl_in_process, overrides, message):
+    assert arithmetic_tasks(8, 10_000)[:3] == arithmetic_tasks(32, 10_000)[:3]  # one seed: one stream of tasks
+    assert agentrl_in_process("eval", "recipes/quickstart.yaml", *overrides, f"model.path={tmp_path}/no-model",
+                              f"output_dir={tmp_path}/out") == (2, f"agentrl: error: {message}")
+
+
+def test_eval_of_other_seeds_or_digits_holds_other_tasks():
+    config = load_recipe("recipes/quickstart.yaml", ["sft.seed=7", "eval.seed=7"])  # sft digits 2-3, data's 3-4
+    held_out = arithmetic_tasks(config.eval.num_tasks, 7, config.data.arithmetic.min_digits,
+                                config.data.arithmetic.max_digits)
+    demonstrations = arithmetic_tasks(config.sft.num_examples, 7, config.sft.min_digits, config.sft.max_digits)
+    assert not {t.prompt for t in held_out} & {t.prompt for t in demonstrations}
+    assert eval_recipe(config).data.seed == 7
 
 
 @pytest.mark.parametrize("override, message", [

@@ -276,6 +276,14 @@ def eval_recipe(config: RecipeConfig) -> RecipeConfig:
     if e.files:
         overrides["data"] = {**config.data.model_dump(), "source": "files", "files": e.files, "num_tasks": e.num_tasks}
     elif config.data.source == "arithmetic":
+        # Same seed and digits: the generator's stream, and so the first tasks, would be the training ones.
+        a, s = config.data.arithmetic, config.sft
+        if e.seed == config.data.seed:
+            raise ConfigError(f"eval.seed {e.seed} equals data.seed, so the held-out arithmetic tasks would be the "
+                              "training tasks: give eval.seed a seed of its own")
+        if s.data == "arithmetic" and e.seed == s.seed and (a.min_digits, a.max_digits) == (s.min_digits, s.max_digits):
+            raise ConfigError(f"eval.seed {e.seed} equals sft.seed with the same digits, so the held-out arithmetic "
+                              "tasks would be the warm-up's demonstrations: give eval.seed a seed of its own")
         overrides["data"] = {**config.data.model_dump(), "seed": e.seed, "num_tasks": e.num_tasks}
     else:
         raise ConfigError("eval.files: held-out files are needed when data.source is not 'arithmetic'")
