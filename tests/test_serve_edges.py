@@ -486,3 +486,17 @@ def test_run_tools_answers_every_call_id_past_the_turns_limit_and_json_python_ca
         ("c5", "Error: the arguments of 'calculator' are not valid JSON (Exceeds the limit (4300 digits) for integer "
                "string conversion: value has 5000 digits); not read: at most 4 tool calls are answered per turn.")]
     assert metrics["parse_errors"] == 6
+
+
+def test_an_endpoint_that_does_not_start_in_time_stops_and_gives_its_port_back():
+    """It raised with its thread still starting and its socket still listening: it would serve
+    later, unasked, on a port no one had closed."""
+    import socket
+
+    from fastapi import FastAPI
+
+    server = BackgroundServer(FastAPI())
+    with pytest.raises(RuntimeError, match=r"the endpoint on http://127\.0\.0\.1:\d+/v1 did not start"):
+        server.start(timeout_s=0)
+    assert not server._thread.is_alive()
+    socket.create_server(("127.0.0.1", server.port)).close()  # free again: nothing listens there
