@@ -125,6 +125,10 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
     refusals = [
         (httpx.get(f"{server}/tools"), 401, "missing or wrong bearer token"),
         (httpx.get(f"{server}/tools", headers={"Authorization": "Bearer wrong"}), 401, "missing or wrong bearer token"),
+        # the token before the body: no JSON of an unknown client is parsed
+        (httpx.post(f"{server}/instances", content=b'{"tool": ', headers={"Content-Type": "application/json"}), 401,
+         "missing or wrong bearer token"),
+        (httpx.get(f"{server}/no/such/route"), 401, "missing or wrong bearer token"),
         (client.post("/instances", content=b'{"tool": ', headers={"Content-Type": "application/json"}), 422,
          "invalid request: body.9: JSON decode error"),
         (client.post("/instances", content=b"x" * 10_000_000), 413, "request body over 1000000 bytes"),
@@ -140,7 +144,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
         still_serving()
     after = client.get("/stats").json()["responses"]
     delta = {code: after.get(code, 0) - before.get(code, 0) for code in ("401", "404", "413", "422")}
-    assert delta == {"401": 2, "404": 2, "413": 1, "422": 2}
+    assert delta == {"401": 4, "404": 2, "413": 1, "422": 2}
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # the one route without the token
 
 
 def test_wrong_token_in_the_tool_file_is_a_config_error(server, tmp_path, monkeypatch):
@@ -535,7 +540,9 @@ class OddAnswerHandler(FlakyHandler):
     (b'{"reward": 1.0, "error": null}', """the server's answer has no str 'text': {"reward": 1.0, "error": null}"""),
     (b'{"text": "' + b"x" * (2 * 2**20) + b'"}',
      "POST /instances/abc/execute: the answer is longer than 1 MB (max_response_mb); it was not read further"),
-], ids=["json_list", "html", "no_text", "over_the_cap"])
+    (b"[" * 100_000 + b"]" * 100_000, "POST /instances/abc/execute: HTTP 200 with an answer that is no JSON object: "
+                                      + "[" * 200 + "..."),
+], ids=["json_list", "html", "no_text", "over_the_cap", "nested_past_the_json_limit"])
 def test_an_answer_that_is_not_the_servers_json_is_a_tool_error_and_not_sent_again(body, problem):
     OddAnswerHandler.body, OddAnswerHandler.executes = body, 0
     with stand_in(OddAnswerHandler, max_response_mb=1) as echo:
@@ -556,7 +563,19 @@ def test_an_answer_that_is_not_the_servers_json_is_a_tool_error_and_not_sent_aga
     ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, max_response_mb: 0}}",
      "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
      "{'url': 'URL', 'token': '***', 'max_response_mb': 0.0} failed: 'max_response_mb' must be more than 0, not 0.0"),
-], ids=["negative_retries", "schema_key", "no_room_for_an_answer"])
+    ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, timeout_s: 0}}",
+     "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
+     "{'url': 'URL', 'token': '***', 'timeout_s': 0.0} failed: 'timeout_s' must be a finite number of seconds above "
+     "0, not 0.0"),
+    ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, connect_timeout_s: .inf}}",
+     "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
+     "{'url': 'URL', 'token': '***', 'connect_timeout_s': inf} failed: 'connect_timeout_s' must be a finite number "
+     "of seconds above 0, not inf"),
+    ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, backoff_s: -1}}",
+     "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
+     "{'url': 'URL', 'token': '***', 'backoff_s': -1.0} failed: 'backoff_s' must be a finite number of seconds "
+     "(0 or more), not -1.0"),
+], ids=["negative_retries", "schema_key", "no_room_for_an_answer", "no_time", "endless_connect", "negative_backoff"])
 def test_a_mistake_in_a_remote_entry_is_reported_even_when_the_server_is_down(tmp_path, entry, problem):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     path = tmp_path / "remote.yaml"
@@ -832,3 +851,153 @@ def test_values_the_server_drops_are_counted_as_a_local_tools_are(tmp_path):
     finally:
         source.close()
         stop_process(proc)
+
+
+def test_a_url_with_a_password_or_a_query_shows_neither_in_errors():
+    """Messages named self.url as given: at load, and in the tool message the model reads (and the
+    trajectory keeps) once a call's retries ran out."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    source = RemoteTools(f"http://admin:hunter2@127.0.0.1:{port}/api?key=s3cr3t", token="t", retries=1,
+                         backoff_s=0.01)
+    (echo,) = source.tools()
+    httpd.shutdown()
+    httpd.server_close()
+    with pytest.raises(RemoteToolError) as at_run:
+        asyncio.run(echo.create("e/echo"))
+    source.close()
+    with pytest.raises(RemoteToolError) as at_load:
+        RemoteTools(f"http://admin:hunter2@127.0.0.1:{free_port()}?key=s3cr3t", token="t", retries=0).tools()
+    assert re.fullmatch(rf"http://127\.0\.0\.1:{port}/api/instances: ConnectError: .* \(after 2 attempts\)",
+                        str(at_run.value))
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/tools: ConnectError: .* \(after 1 attempts\)", str(at_load.value))
+
+
+class SlowExecuteHandler(FlakyHandler):
+    """A stand-in server whose every execute takes 1.2 s, to meet more calls at once than httpx's
+    default pool of 100 connections holds; everything else is real HTTP on loopback."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path.endswith("/execute"):
+            time.sleep(1.2)
+            return self.reply(200, {"text": "ok", "reward": None, "metrics": {}, "error": None})
+        self.reply(200, {"instance_id": body["instance_id"], "error": None})
+
+
+class ManyAtOnce(ThreadingHTTPServer):
+    request_queue_size = 256  # socketserver's 5 would refuse connections before any wait of the client
+    daemon_threads = True
+
+
+def test_more_calls_at_once_than_a_connection_pool_holds_all_get_their_answers():
+    """With httpx's 100 connections, the other calls waited for one within their attempt's limit
+    and failed as timeouts after the tool had run (each answers in 1.2 s; the limit is 2 s)."""
+    httpd = ManyAtOnce(("127.0.0.1", 0), SlowExecuteHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", timeout_s=1.6,
+                         connect_timeout_s=0.4, retries=0)
+    (echo,) = source.tools()
+
+    async def calls(n: int) -> list[str]:
+        for i in range(n):
+            await echo.create(f"e{i}/echo")
+        results = await asyncio.gather(*(echo.execute(f"e{i}/echo", {}) for i in range(n)), return_exceptions=True)
+        return [r.text if not isinstance(r, BaseException) else str(r) for r in results]
+
+    try:
+        assert asyncio.run(calls(120)) == ["ok"] * 120
+    finally:
+        source.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class ReleaseLostOnTheWayBackHandler(FlakyHandler):
+    """A stand-in for a proxy that answers 502 to a release the server behind it did: the client's
+    retry then meets the server's 404 for an instance it no longer has (a test cannot make
+    `agentrl tools serve` do that on purpose); everything else is real HTTP on loopback."""
+
+    deletes = 0
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path.endswith("/reward"):
+            return self.reply(200, {"reward": None, "error": None})
+        self.reply(200, {"instance_id": body["instance_id"], "error": None})
+
+    def do_DELETE(self) -> None:
+        ReleaseLostOnTheWayBackHandler.deletes += 1
+        if self.deletes == 1:
+            return self.reply(502, {"detail": "bad gateway"})
+        self.reply(404, {"detail": f"unknown instance '{self.path.rsplit('/', 1)[-1]}' (never created, released "
+                                   "or expired)"})
+
+
+def test_a_release_whose_retry_finds_the_instance_gone_has_succeeded():
+    async def episode(echo: RemoteTool) -> tuple[float, float]:
+        env = ToolEnv([echo], ToolLimits(timeout_s=10), lambda text: (text, False))
+        await env.start("e", Task(id="t", prompt="Go."))
+        await env.finish()
+        return env.metrics["tool_lifecycle_errors"], ReleaseLostOnTheWayBackHandler.deletes
+
+    with stand_in(ReleaseLostOnTheWayBackHandler) as echo:
+        assert asyncio.run(episode(echo)) == (0.0, 2)
+        instance = asyncio.run(echo.create("e2/echo"))  # a 404 to a first release is still an error
+        ReleaseLostOnTheWayBackHandler.deletes = 1
+        with pytest.raises(RemoteToolError, match=r"^HTTP 404: unknown instance '[0-9a-f]{32}'"):
+            asyncio.run(echo.release(instance))
+
+
+class RedirectHandler(FlakyHandler):
+    """A stand-in for a proxy redirecting every execute elsewhere, with a JSON object as its body;
+    everything else is real HTTP on loopback."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path.endswith("/execute"):
+            return self.reply(307, {"detail": "moved to http://127.0.0.1:1/"})
+        self.reply(200, {"instance_id": body["instance_id"], "error": None})
+
+
+def test_a_redirect_is_an_error_not_an_answer():
+    """A 3xx whose body was a JSON object counted as the answer: a release so answered never happened."""
+    with stand_in(RedirectHandler) as echo:
+        asyncio.run(echo.create("e/echo"))
+        with pytest.raises(RemoteToolError) as e:
+            asyncio.run(echo.execute("e/echo", {}))
+    assert str(e.value) == "HTTP 307: moved to http://127.0.0.1:1/" and e.value.refused
+
+
+class NamelessToolsHandler(FlakyHandler):
+    """A stand-in server listing its tools by name alone, not as schemas; real HTTP on loopback."""
+
+    def do_GET(self) -> None:
+        self.reply(200, {"tools": [FlakyHandler.schema, "echo"]})
+
+
+def test_a_tool_list_without_schemas_names_the_server_and_the_entry():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NamelessToolsHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(RemoteToolError) as e:
+            RemoteTools(url, token="t").tools()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert str(e.value) == f'{url}/tools: the server\'s tool #2 is no schema with a function name: "echo"'
+
+
+def test_instances_still_live_when_the_server_stops_are_released():
+    """Shutdown only stopped the expiry sweep: what live instances held (a sandbox, a temp dir)
+    was never freed."""
+    track = Track()
+    with TestClient(create_app([track], ServerSettings(token=TOKEN)),
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        for name in ("kept-aaa", "kept-bbb", "gone-ccc"):
+            assert client.post("/instances", json={"tool": "track", "instance_id": name}).json()["error"] is None
+        assert client.delete("/instances/gone-ccc").json() == {"error": None}
+        assert track.released == ["gone-ccc"]
+    assert sorted(track.released) == ["gone-ccc", "kept-aaa", "kept-bbb"]  # each once

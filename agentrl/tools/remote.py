@@ -15,12 +15,13 @@ itself, or a proxy before it, failed). A tool call is not repeatable: it is
 sent again only after an error that proves it never left (a refused connection, a connect
 timeout), or a 503. A connection that broke after sending it, a read timeout or another 5xx may
 come after the tool ran, and running it twice could repeat its effect (a payment, a file
-written). A 4xx, a tool error, retries running out, an answer that is not the JSON object the
-server's API defines, or one longer than `max_response_mb` (read no further: a runaway tool's
-output costs no memory beyond the cap) raise RemoteToolError, which ToolEnv turns into an error
-message for the model. The client names each instance it creates, so a create is retried like any
+written). A 4xx (or a 3xx: redirects are not followed), a tool error, retries running out, an
+answer that is not the JSON object the server's API defines, or one longer than `max_response_mb`
+(read no further: a runaway tool's output costs little memory beyond the cap) raise
+RemoteToolError, which ToolEnv turns into an error message for the model. The client names each instance it creates, so a create is retried like any
 repeatable call, and one that got no answer or was cancelled (ToolEnv's timeout) is released
-anyway: the server may have made it after all.
+anyway: the server may have made it after all. A release sent again that finds its instance
+unknown (404) succeeded: an attempt before it got there.
 
 The constructor only checks its arguments; the connection opens at the first `tools()` (which the
 loader calls while it loads the file), so the loader's own checks of the entry, a `schema` key it
@@ -43,6 +44,7 @@ import httpx
 
 from agentrl.tools.background_loop import BackgroundLoop
 from agentrl.tools.base import Tool, ToolResult
+from agentrl.tools.loader import url_shown
 
 RETRY_STATUS = range(500, 600)
 # Connection errors after which a request may have been delivered (the server closed or reset the
@@ -82,7 +84,13 @@ class RemoteTools:
             raise ValueError(f"'retries' must be 0 or more (0: one attempt, no retry), not {retries}")
         if not max_response_mb > 0:
             raise ValueError(f"'max_response_mb' must be more than 0, not {max_response_mb}")
+        for key, value, least in (("timeout_s", timeout_s, 0), ("connect_timeout_s", connect_timeout_s, 0),
+                                  ("backoff_s", backoff_s, None)):
+            if not (math.isfinite(value) and (value > least if least is not None else value >= 0)):
+                raise ValueError(f"'{key}' must be a finite number of seconds "
+                                 f"{'above 0' if least is not None else '(0 or more)'}, not {value}")
         self.url, self.retries, self.backoff_s = url.rstrip("/"), retries, backoff_s
+        self.shown = url_shown(self.url)  # what messages show: no password or query string
         self.max_response_bytes = int(max_response_mb * 2**20)
         self._wanted, self._token = tools, token
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
@@ -105,14 +113,15 @@ class RemoteTools:
         # wait the attempts' limits do not cover (a name lookup) hang it.
         deadline_s = (self.retries + 1) * self.attempt_s + self.backoff_s * (2 ** self.retries - 1) + 5
         try:
-            offered = _field(self._loop.run_sync(self._request("GET", "/tools"), deadline_s), "tools", list)
+            offered = _schemas(self._loop.run_sync(self._request("GET", "/tools"), deadline_s))
         except Exception as e:
             self.close()
             if isinstance(e, concurrent.futures.TimeoutError):
                 e = RemoteToolError(f"no answer within {deadline_s:g} s")
             reason = str(e) if isinstance(e, RemoteToolError) else _what(e)
-            raise RemoteToolError(reason if reason.startswith(self.url) else f"{self.url}/tools: {reason}") from None
-        return _select(offered, self._wanted, self.url, self)
+            raise RemoteToolError(reason if reason.startswith(self.shown) else f"{self.shown}/tools: {reason}") \
+                from None
+        return _select(offered, self._wanted, self.shown, self)
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None,
                       repeatable: bool = True) -> dict[str, Any]:
@@ -149,14 +158,16 @@ class RemoteTools:
             if status in (RETRY_STATUS if repeatable else NOT_RUN_STATUS):
                 problem, reached = f"HTTP {status}: {_detail(content)}", True
                 continue
-            if status >= 400:
+            if method == "DELETE" and status == 404 and reached:  # an earlier attempt released it after all
+                return {"error": None}
+            if not 200 <= status < 300:  # a redirect did nothing either: it is not followed, a tool call not sent on
                 raise RemoteToolError(f"HTTP {status}: {_detail(content)}", refused=status < 500 and not reached)
             reply = _json(content)
             if not isinstance(reply, dict):
                 raise RemoteToolError(f"{method} {path}: HTTP {status} with an answer that is no JSON object: "
                                       f"{_start(content)}")
             return reply
-        raise RemoteToolError(f"{self.url}{path}: {problem} (after {self.retries + 1} attempts)")
+        raise RemoteToolError(f"{self.shown}{path}: {problem} (after {self.retries + 1} attempts)")
 
     async def _send(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
         """One attempt: the status and the body, read up to the size cap."""
@@ -233,7 +244,22 @@ class RemoteTool:
 
 
 async def _open_client(url: str, headers: dict[str, str], timeout: httpx.Timeout) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout)
+    # No cap on connections: with httpx's default of 100, the calls of a large rollout (64 episodes
+    # of up to 4 calls each) queued for one inside their attempt's time, and failed as timeouts
+    # after the tool had run. How many calls run at once is the rollout's, and the server's, to bound.
+    return httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+
+
+def _schemas(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tool schemas of a `GET /tools` answer, each with a function name to select it by."""
+    offered = _field(reply, "tools", list)
+    for i, schema in enumerate(offered):
+        function = schema.get("function") if isinstance(schema, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise RemoteToolError(f"the server's tool #{i + 1} is no schema with a function name: "
+                                  f"{_start(json.dumps(schema))}")
+    return offered
 
 
 def _select(offered: list[dict[str, Any]], wanted: list[str] | None, url: str, source: RemoteTools) -> list[Tool]:
@@ -303,7 +329,7 @@ def _what(error: Exception) -> str:
 def _json(content: bytes) -> Any:
     try:
         return json.loads(content)
-    except ValueError:  # not JSON, or not UTF-8
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's limit
         return None
 
 

@@ -32,7 +32,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -257,6 +257,12 @@ class ToolHost:
                 self.expired += 1
                 await self.call(live.tool, "release", lambda: self.tools[live.tool].release(live.tool_id))
 
+    async def release_all(self) -> None:
+        """At shutdown: release every live instance, its clients gone with the server."""
+        while self.instances:
+            instance_id, live = self.instances.popitem()
+            await self.call(live.tool, "release", lambda: self.tools[live.tool].release(live.tool_id))
+
     async def sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(max(0.5, min(self.settings.instance_ttl_s / 2, 30.0)))
@@ -264,14 +270,24 @@ class ToolHost:
 
 
 class Guard:
-    """ASGI middleware: refuses bodies over the cap with 413 and counts responses by status."""
+    """ASGI middleware: refuses a request without the bearer token with 401 (every route but
+    /health) and bodies over the cap with 413, before any of the body is read, and counts
+    responses by status. The token is checked here, not in a FastAPI dependency, because FastAPI
+    reads and parses a route's body before it runs the route's dependencies: a client without the
+    token had a megabyte parsed, and bad JSON answered 422 rather than 401."""
 
     def __init__(self, app: Any, host: ToolHost):
         self.app, self.host = app, host
+        self._expected = f"Bearer {host.settings.token}".encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization")
+        if scope["path"] != "/health" and (given is None or not hmac.compare_digest(given, self._expected)):
+            self.host.responses[401] += 1
+            return await JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401,
+                                      headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         cap = self.host.settings.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > cap:
@@ -304,32 +320,28 @@ def create_app(tools: list[Tool], settings: ServerSettings) -> FastAPI:
         sweeper = asyncio.create_task(host.sweep_forever())
         yield
         sweeper.cancel()
-
-    def authorized(authorization: str | None = Header(None)) -> None:
-        expected = f"Bearer {settings.token}".encode()
-        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        await host.release_all()  # what live instances hold (a sandbox, a file) is freed, not left behind
 
     app = FastAPI(title="agentrl tools", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, host=host)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(Exception, _internal_error)
-    _info_routes(app, host, Depends(authorized))
-    _instance_routes(app, host, Depends(authorized))
+    _info_routes(app, host)
+    _instance_routes(app, host)
     app.state.host = host
     return app
 
 
-def _info_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
+def _info_routes(app: FastAPI, host: ToolHost) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/tools", dependencies=[auth])
+    @app.get("/tools")
     async def list_tools() -> dict[str, Any]:
         return {"tools": [t.schema for t in host.tools.values()]}
 
-    @app.get("/stats", dependencies=[auth])
+    @app.get("/stats")
     async def stats() -> dict[str, Any]:
         return {"tools": {name: {op: s.as_dict() for op, s in ops.items()} for name, ops in host.stats.items()},
                 "live_instances": len(host.instances), "expired_instances": host.expired,
@@ -337,17 +349,17 @@ def _info_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
                 "responses": {str(status): n for status, n in sorted(host.responses.items())}}
 
 
-def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
+def _instance_routes(app: FastAPI, host: ToolHost) -> None:
     """Create, execute, reward and release: a tool instance's life over HTTP."""
 
-    @app.post("/instances", dependencies=[auth])
+    @app.post("/instances")
     async def create(body: CreateRequest) -> dict[str, Any]:
         if body.tool not in host.tools:
             raise HTTPException(404, as_text(f"unknown tool '{body.tool}'; available: {', '.join(sorted(host.tools))}"))
         instance_id, error = await host.create(body.tool, body.kwargs, body.instance_id or uuid.uuid4().hex)
         return {"instance_id": instance_id if error is None else None, "error": error}
 
-    @app.post("/instances/{instance_id}/execute", dependencies=[auth])
+    @app.post("/instances/{instance_id}/execute")
     async def execute(instance_id: str, body: ExecuteRequest, request: Request) -> dict[str, Any]:
         live = host.instance(instance_id)
         name = live.tool
@@ -376,7 +388,7 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         invalid += result.reward is not None and reward is None
         return with_invalid({"text": text, "reward": reward, "metrics": metrics, "error": None}, invalid)
 
-    @app.post("/instances/{instance_id}/reward", dependencies=[auth])
+    @app.post("/instances/{instance_id}/reward")
     async def reward(instance_id: str) -> dict[str, Any]:
         live = host.instance(instance_id)
         async with host.using(live):
@@ -384,7 +396,7 @@ def _instance_routes(app: FastAPI, host: ToolHost, auth: Any) -> None:
         reward = finite_number(value, REWARD_LIMIT)
         return with_invalid({"reward": reward, "error": error}, int(value is not None and reward is None))
 
-    @app.delete("/instances/{instance_id}", dependencies=[auth])
+    @app.delete("/instances/{instance_id}")
     async def release(instance_id: str) -> dict[str, Any]:
         if instance_id in host.creating:  # its create releases it once the tool has made it
             host.creating[instance_id].released = True
@@ -434,10 +446,13 @@ def serve(path: str, host: str, port: int, settings: ServerSettings) -> None:
     """Load the tool file (ConfigError if bad) and serve it until interrupted."""
     import uvicorn
 
-    from agentrl.tools.loader import load_tools
+    from agentrl.tools.loader import close_tools, load_tools
 
     tools = load_tools(path)
-    app = create_app(tools, settings)
-    names = ", ".join(tool_name(t) for t in tools)
-    print(f"agentrl: serving {len(tools)} tool(s) from {path} ({names}) on http://{host}:{port}", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    try:
+        app = create_app(tools, settings)
+        names = ", ".join(tool_name(t) for t in tools)
+        print(f"agentrl: serving {len(tools)} tool(s) from {path} ({names}) on http://{host}:{port}", file=sys.stderr)
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:  # a tool's own resources (an MCP server's process, a remote source's connections)
+        close_tools(tools)
