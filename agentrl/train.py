@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,7 +29,7 @@ from agentrl.hardware import choose_dtype
 from agentrl.memory import release_freed_memory
 from agentrl.rollout.collect import check_failures, summarize, write_jsonl
 from agentrl.rollout.run import load_driver_parts
-from agentrl.trainer.checkpoint import RECIPE, check_replaceable, latest_checkpoint
+from agentrl.trainer.checkpoint import RECIPE, check_replaceable, latest_checkpoint, unreadable
 from agentrl.trainer.critic import CriticWorker, check_critic_path
 from agentrl.trainer.policy import PolicyWorker, ReferenceWorker
 from agentrl.trainer.ray_settings import check_ray_settings
@@ -154,22 +155,27 @@ def check_run_dir(config: RecipeConfig, run_dir: Path) -> None:
                                   "copy it elsewhere, or use another output_dir")
 
 
-# What a resumed run must share with the run that wrote its checkpoint: the model the checkpoint's
-# weights belong to and the tasks the data cursor (the step number) indexes.
-RESUME_MUST_MATCH = ("model.path", "model.lora.", "data.", "trainer.tasks_per_step")
+# What a resumed run must share with the run that wrote its checkpoint: the models the checkpoint's
+# weights belong to (policy, LoRA adapters, critic) and the tasks the data cursor (the step number)
+# indexes.
+RESUME_MUST_MATCH = ("model.path", "model.lora.", "critic.path", "data.", "trainer.tasks_per_step")
 # Settings that do not shape training, and trainer.steps, which a resume may raise (checked apart).
 RESUME_IGNORED = ("name", "eval.", "sft.", "trainer.resume", "trainer.steps")
 
 
 def check_resume(config: RecipeConfig, checkpoint: Path | None) -> None:
     """Before any model loads: a ConfigError when the checkpoint `trainer.resume=auto` would continue
-    was written with another model, LoRA layout or task pool, or at a step past trainer.steps; one
+    was written with another model, LoRA layout, critic or task pool, or at a step past trainer.steps; one
     warning listing any other setting that changed (a new trainer.lr is a usual reason to resume)."""
     if checkpoint is None or not (checkpoint / RECIPE).is_file():  # or written before checkpoints kept it
         return
-    saved, now = _dotted(json.loads((checkpoint / RECIPE).read_text())), _dotted(config.model_dump(mode="json"))
+    try:
+        saved = _dotted(json.loads((checkpoint / RECIPE).read_text()))
+    except (OSError, ValueError, AttributeError) as e:  # AttributeError: JSON that is no object
+        raise unreadable(checkpoint / RECIPE, e) from None
+    now = _dotted(config.model_dump(mode="json"))
     changed = [key for key in sorted(saved.keys() | now.keys())
-               if saved.get(key) != now.get(key) and not key.startswith(RESUME_IGNORED)]
+               if not _same(key, saved, now) and not key.startswith(RESUME_IGNORED)]
 
     def show(key: str) -> str:
         return f"{key} {json.dumps(saved.get(key))} -> {json.dumps(now.get(key))}"
@@ -186,6 +192,25 @@ def check_resume(config: RecipeConfig, checkpoint: Path | None) -> None:
     if changed:
         print(f"agentrl: warning: resuming {checkpoint} with settings changed since it was written: "
               f"{', '.join(show(key) for key in changed)}", file=sys.stderr)
+
+
+def _same(key: str, saved: dict[str, object], now: dict[str, object]) -> bool:
+    """Whether a dotted setting builds the same models in both recipes: LoRA alpha null is 2 × rank
+    (trainer.lora); without adapters (rank 0 in both) the other LoRA settings shape nothing, and
+    without a critic (advantage other than 'gae' in both) neither does critic.path."""
+    def both(setting: str, test: Callable[[object], bool]) -> bool:
+        return test(saved.get(setting)) and test(now.get(setting))
+
+    if key.startswith("model.lora.") and key != "model.lora.rank" and both("model.lora.rank", lambda r: r == 0):
+        return True
+    if key == "critic.path" and both("algorithm.advantage", lambda a: a != "gae"):
+        return True
+    if key == "model.lora.alpha":
+        def alpha(flat: dict[str, object]) -> object:
+            rank = flat.get("model.lora.rank")
+            return 2.0 * rank if flat.get(key) is None and isinstance(rank, int) else flat.get(key)
+        return alpha(saved) == alpha(now)
+    return saved.get(key) == now.get(key)
 
 
 def _dotted(tree: dict, prefix: str = "") -> dict[str, object]:

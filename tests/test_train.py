@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -420,12 +421,19 @@ def test_a_resumed_run_takes_the_recipes_learning_rate_and_refuses_another_model
     assert str(err.value) == (f"trainer.steps 1: {checkpoint.with_name('step_2')} is at step 2 already; raise "
                               "trainer.steps to continue it")
     monkeypatch.setattr(agentrl.train, "start_roles", start_roles)
-    # A damaged checkpoint is no mismatch of settings: its own error stands.
-    shard = next((tmp_path / "run" / "checkpoints" / "step_2" / "policy").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(BaseException) as err:
-        train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=3"]))
-    assert not isinstance(err.value, ConfigError) and "does not fit" not in str(err.value)
+    # A damaged checkpoint is no mismatch of settings: named, with the way on (torch's own error
+    # named no file, and every relaunch met it again).
+    step_2 = tmp_path / "run" / "checkpoints" / "step_2"
+    state = (step_2 / "trainer_state.pt").read_bytes()
+    shard = next((step_2 / "policy").glob("*.distcp"))
+    for damaged, reason in ((step_2 / "trainer_state.pt", r"\w+Error: .+"), (step_2 / "policy", r"\w+: .+")):
+        (step_2 / "trainer_state.pt").write_bytes(state[: len(state) // 2] if damaged.name == "trainer_state.pt" else state)
+        if damaged.name == "policy":
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        with pytest.raises(ConfigError) as err:
+            train(load_recipe(recipe, run + ["trainer.resume=auto", "trainer.steps=3"]))
+        assert re.fullmatch(rf"{re.escape(str(damaged))}: cannot read this checkpoint \({reason}\); if it is damaged, "
+                            rf"delete {re.escape(str(step_2))} to resume from the checkpoint before it", str(err.value))
 
 
 def test_a_resumed_run_drops_the_trajectories_and_models_the_interrupted_run_wrote_after_its_checkpoint(tmp_path):
@@ -969,3 +977,34 @@ def test_a_run_refuses_at_start_what_would_fail_or_destroy_something_at_its_end(
     (run / "step_2" / "config.json").write_text("{}")
     (run / "step_2" / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
     check_run_dir(load_recipe("recipes/quickstart.yaml", [f"output_dir={run}"]), run)
+
+
+def test_resume_compares_the_models_as_they_are_built_and_names_an_unreadable_recipe(tmp_path, capsys):
+    """LoRA alpha null (2 × rank) and the same alpha written out build the same adapters, but a
+    resume was refused for it; a critic of another critic.path was refused only once every model
+    had loaded, told to fix model.path and model.lora; and a damaged recipe.json was a bare
+    JSONDecodeError."""
+    from agentrl.errors import ConfigError
+    from agentrl.train import check_resume
+
+    checkpoint = tmp_path / "checkpoints" / "step_1"
+    checkpoint.mkdir(parents=True)
+    written = ["model.lora.rank=8", "algorithm.advantage=gae"]
+    (checkpoint / "recipe.json").write_text(json.dumps(load_recipe("recipes/quickstart.yaml", written)
+                                                       .model_dump(mode="json")))
+    check_resume(load_recipe("recipes/quickstart.yaml", written + ["model.lora.alpha=16"]), checkpoint)
+    assert capsys.readouterr().err == ""  # not even a warning: nothing changed
+    for changes, named in ((["model.lora.alpha=8"], "model.lora.alpha null -> 8.0"),
+                           (["critic.path=/models/other"], 'critic.path null -> "/models/other"')):
+        with pytest.raises(ConfigError, match=re.escape(f"({named}); resume with the ones it was written with")):
+            check_resume(load_recipe("recipes/quickstart.yaml", written + changes), checkpoint)
+    # without a critic, critic.path shapes nothing
+    (checkpoint / "recipe.json").write_text(json.dumps(load_recipe("recipes/quickstart.yaml").model_dump(mode="json")))
+    check_resume(load_recipe("recipes/quickstart.yaml", ["critic.path=/models/other"]), checkpoint)
+    assert capsys.readouterr().err == ""
+    (checkpoint / "recipe.json").write_text('{"model": ')
+    with pytest.raises(ConfigError) as err:
+        check_resume(load_recipe("recipes/quickstart.yaml"), checkpoint)
+    assert str(err.value) == (f"{checkpoint / 'recipe.json'}: cannot read this checkpoint (JSONDecodeError: Expecting "
+                              f"value: line 1 column 11 (char 10)); if it is damaged, delete {checkpoint} to resume "
+                              "from the checkpoint before it")

@@ -210,11 +210,13 @@ def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
     torch.save(_rng_state(), Path(path) / f"{RNG_PREFIX}{ranks.rank}.pt")
 
 
-def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: "Ranks") -> None:
+def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: "Ranks",
+                 shaped_by: str = "model.path and model.lora") -> None:
     """Model and optimizer state from `save_sharded`'s files. The optimizer's settings (lr,
     weight_decay, betas) stay those it was built with, the recipe's: a run resumed with a new
     trainer.lr uses it; only the state (moments, step counts) comes from the checkpoint. A
-    checkpoint of another model or LoRA layout is a ConfigError naming it."""
+    checkpoint of another model or LoRA layout is a ConfigError naming it and the settings that
+    shape the model (`shaped_by`); one that cannot be read, a ConfigError naming it too (unreadable)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -227,16 +229,38 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
             dcp.load(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
     except (Exception, CheckpointException) as e:  # its text holds tracebacks; the first missing key or size says it
         found = re.search(r"Missing key in checkpoint state_dict: [\w.]+|[Ss]ize mismatch[^\n]*", str(e))
-        if found is None:  # not a mismatch (a damaged file, a full disk): the error as it is
-            raise
+        if found is None:  # not a mismatch: a damaged or missing file
+            raise unreadable(Path(path), e) from None
         raise ConfigError(f"{path}: the checkpoint does not fit this run's model ({found.group(0).rstrip('.')}); "
-                          "resume with the model.path and model.lora settings of the run that wrote it") from None
+                          f"resume with the {shaped_by} settings of the run that wrote it") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     for group, configured in zip(optimizer.param_groups, settings):
         group.update(configured)
     rng = Path(path) / f"{RNG_PREFIX}{ranks.rank}.pt"
     if rng.is_file():  # absent where the checkpoint was written at a smaller world size
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(read_checkpoint_file(rng))
+
+
+def read_checkpoint_file(path: Path) -> Any:
+    """A torch file of a checkpoint; one that cannot be read is a ConfigError saying what to do."""
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:
+        raise unreadable(path, e) from None
+
+
+def unreadable(path: Path, error: BaseException) -> ConfigError:
+    """The error for a checkpoint file (or directory) that cannot be read: named, with its reason
+    on one line and the way on. A run killed while saving leaves no such checkpoint (it is renamed
+    into place only once complete); a disk fault or a partial copy does, and every resume would
+    meet it, as trainer.resume 'auto' takes the newest checkpoint."""
+    step = next((p for p in (path, *path.parents) if _STEP_DIR.match(p.name)), path)
+    failures = getattr(error, "failures", None)  # dcp's CheckpointException: each rank's (error, traceback)
+    if isinstance(failures, dict) and failures and isinstance(first := next(iter(failures.values())), tuple):
+        error = first[0]
+    reason = (str(error).strip().splitlines() or [""])[0][:300]
+    return ConfigError(f"{path}: cannot read this checkpoint ({type(error).__name__}{': ' + reason if reason else ''})"
+                       f"; if it is damaged, delete {step} to resume from the checkpoint before it")
 
 
 def _rng_state() -> dict[str, Any]:

@@ -181,5 +181,5 @@ class CriticWorker:
         return {"rng": self.rng.getstate()}
 
     def load_state(self, path: str | Path, extra: dict[str, Any]) -> None:
-        load_sharded(path, self.model, self.optimizer, self.ranks)
+        load_sharded(path, self.model, self.optimizer, self.ranks, shaped_by="model.path and critic.path")
         self.rng.setstate(extra["rng"])

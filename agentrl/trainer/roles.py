@@ -20,7 +20,7 @@ from agentrl.errors import ConfigError
 from agentrl.models import enable_activation_checkpointing, load_model
 from agentrl.hardware import choose_dtype
 from agentrl.rollout.worker import LocalSink, RolloutWorker
-from agentrl.trainer.checkpoint import RECIPE, TRAINER_STATE, commit_checkpoint, staging_checkpoint
+from agentrl.trainer.checkpoint import RECIPE, TRAINER_STATE, commit_checkpoint, read_checkpoint_file, staging_checkpoint
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
 from agentrl.trainer.logprobs import check_logit_head
@@ -136,7 +136,7 @@ class Roles:
 
     def load_checkpoint(self, path: Path) -> tuple[int, list[dict[str, Any]]]:
         """Restore every role from a checkpoint; returns (its step, the metrics so far)."""
-        state = torch.load(path / TRAINER_STATE, weights_only=False)
+        state = read_checkpoint_file(path / TRAINER_STATE)
         if (state["critic"] is not None) != (self.critic is not None):
             raise ConfigError(f"{path}: the checkpoint was written {'with' if state['critic'] else 'without'} a "
                               "critic; algorithm.advantage must match the run that wrote it")
