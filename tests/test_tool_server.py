@@ -1001,3 +1001,31 @@ def test_instances_still_live_when_the_server_stops_are_released():
         assert client.delete("/instances/gone-ccc").json() == {"error": None}
         assert track.released == ["gone-ccc"]
     assert sorted(track.released) == ["gone-ccc", "kept-aaa", "kept-bbb"]  # each once
+
+
+class ShapelessCreateHandler(FlakyHandler):
+    """A stand-in for a server (or a proxy) answering a create with 200 and no instance id; it
+    records the creates' ids and the releases. Everything else is real HTTP on loopback."""
+
+    created: list[str] = []
+    deleted: list[str] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ShapelessCreateHandler.created.append(body["instance_id"])
+        self.reply(200, {"made": True})
+
+    def do_DELETE(self) -> None:
+        ShapelessCreateHandler.deleted.append(self.path)
+        self.reply(200, {"error": None})
+
+
+def test_a_create_answered_without_an_instance_id_is_released_all_the_same():
+    ShapelessCreateHandler.created, ShapelessCreateHandler.deleted = [], []
+    with stand_in(ShapelessCreateHandler) as echo:
+        with pytest.raises(RemoteToolError, match=r"""^the server's answer has no str 'instance_id': {"made": true}$"""):
+            asyncio.run(echo.create("e/echo"))
+        deadline = time.monotonic() + 5
+        while not ShapelessCreateHandler.deleted and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert ShapelessCreateHandler.deleted == [f"/instances/{ShapelessCreateHandler.created[0]}"]

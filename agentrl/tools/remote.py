@@ -214,8 +214,12 @@ class RemoteTool:
             if not (isinstance(e, RemoteToolError) and e.refused):
                 self.source.release_later(f"/instances/{remote}")
             raise
-        _raise_for(reply)
-        self._remote_ids[instance_id] = _field(reply, "instance_id", str)
+        _raise_for(reply)  # a create the tool failed: the server freed what it made
+        try:
+            self._remote_ids[instance_id] = _field(reply, "instance_id", str)
+        except RemoteToolError:  # an answer of the wrong shape, to a create that may have happened
+            self.source.release_later(f"/instances/{remote}")
+            raise
         return instance_id
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
