@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
 import os
@@ -1029,3 +1030,38 @@ def test_a_create_answered_without_an_instance_id_is_released_all_the_same():
         while not ShapelessCreateHandler.deleted and time.monotonic() < deadline:
             time.sleep(0.05)
     assert ShapelessCreateHandler.deleted == [f"/instances/{ShapelessCreateHandler.created[0]}"]
+
+
+class EncodingHandler(FlakyHandler):
+    """A stand-in server that compresses its answers when the client accepts it (as servers and
+    proxies in front of them do), recording what each request accepted; real HTTP on loopback."""
+
+    accepted: list[str] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        EncodingHandler.accepted.append(self.headers.get("Accept-Encoding", ""))
+        if not self.path.endswith("/execute"):
+            return self.reply(200, {"instance_id": body["instance_id"], "error": None})
+        text = json.dumps({"text": "x" * (4 * 2**20), "error": None}).encode()
+        data = gzip.compress(text) if "gzip" in self.headers.get("Accept-Encoding", "") else text
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        if data is not text:
+            self.send_header("Content-Encoding", "gzip")
+        self.end_headers()
+        try:
+            self.wfile.write(data)
+        except OSError:  # the client stopped reading at its cap
+            pass
+
+
+def test_answers_are_asked_for_uncompressed_so_the_size_cap_holds_as_read():
+    """httpx asked for gzip: a 4 MB answer came in 4 KB, each network chunk decoded whole before
+    the 1 MB cap was checked."""
+    EncodingHandler.accepted = []
+    with stand_in(EncodingHandler, max_response_mb=1) as echo:
+        asyncio.run(echo.create("e/echo"))
+        with pytest.raises(RemoteToolError, match=r"the answer is longer than 1 MB \(max_response_mb\)"):
+            asyncio.run(echo.execute("e/echo", {}))
+    assert EncodingHandler.accepted == ["identity", "identity"]

@@ -17,11 +17,12 @@ timeout), or a 503. A connection that broke after sending it, a read timeout or 
 come after the tool ran, and running it twice could repeat its effect (a payment, a file
 written). A 4xx (or a 3xx: redirects are not followed), a tool error, retries running out, an
 answer that is not the JSON object the server's API defines, or one longer than `max_response_mb`
-(read no further: a runaway tool's output costs little memory beyond the cap) raise
-RemoteToolError, which ToolEnv turns into an error message for the model. The client names each instance it creates, so a create is retried like any
-repeatable call, and one that got no answer or was cancelled (ToolEnv's timeout) is released
-anyway: the server may have made it after all. A release sent again that finds its instance
-unknown (404) succeeded: an attempt before it got there.
+(read no further, and asked for uncompressed: a runaway tool's output costs no memory beyond the
+cap) raise RemoteToolError, which ToolEnv turns into an error message for the model. The client
+names each instance it creates, so a create is retried like any repeatable call, and one that
+got no answer or was cancelled (ToolEnv's timeout) is released anyway: the server may have made
+it after all. A release sent again that finds its instance unknown (404) succeeded: an attempt
+before it got there.
 
 The constructor only checks its arguments; the connection opens at the first `tools()` (which the
 loader calls while it loads the file), so the loader's own checks of the entry, a `schema` key it
@@ -106,7 +107,9 @@ class RemoteTools:
 
     def _open(self) -> list[Tool]:
         self._loop = BackgroundLoop("agentrl-remote-tools")
-        headers = {"Authorization": f"Bearer {self._token}"}
+        # identity: a compressed answer is decoded a network chunk at a time, and one chunk of a
+        # gzip bomb is megabytes past max_response_mb before the cap is checked
+        headers = {"Authorization": f"Bearer {self._token}", "Accept-Encoding": "identity"}
         self._client: httpx.AsyncClient = self._loop.run_sync(_open_client(self.url, headers, self._timeout))
         self._loop.on_close(self._client.aclose)
         # Each attempt has its limit; this one is for the whole load, backoff included, should a
