@@ -13,7 +13,9 @@ This module computes no statistics and changes no files besides the page it writ
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -49,11 +51,11 @@ def trajectory_files(run_dir: Path) -> list[tuple[Path, str, int | None]]:
     found: list[tuple[Path, str, int | None]] = []
     for path in sorted((run_dir / "trajectories").glob("step_*.jsonl"),
                        key=lambda p: int(m.group(1)) if (m := _STEP_FILE.fullmatch(p.name)) else -1):
-        if match := _STEP_FILE.fullmatch(path.name):
+        if (match := _STEP_FILE.fullmatch(path.name)) and path.is_file():
             found.append((path, "train", int(match.group(1))))
     if (run_dir / "rollout.jsonl").is_file():
         found.append((run_dir / "rollout.jsonl", "rollout", None))
-    found += [(path, path.stem, None) for path in sorted(run_dir.glob("eval_*.jsonl"))]
+    found += [(path, path.stem, None) for path in sorted(run_dir.glob("eval_*.jsonl")) if path.is_file()]
     return found
 
 
@@ -112,7 +114,8 @@ def _malformed(record: dict[str, Any]) -> str | None:
               ("messages", isinstance(messages, list) and all(isinstance(m, dict) and _calls_ok(m) for m in messages),
                "a list of objects (tool_calls a list of objects)"),
               ("reward", record.get("reward") is None or finite_number(record["reward"]) is not None,
-               "a finite number")]
+               "a finite number"),
+              ("metrics", record.get("metrics") is None or isinstance(record["metrics"], dict), "an object")]
     bad = next(((key, what) for key, ok, what in checks if not ok), None)
     return f"{bad[0]} is {json.dumps(record.get(bad[0]))[:40]}, not {bad[1]}" if bad else None
 
@@ -250,10 +253,17 @@ def run_view(run_dir: str | Path, steps: str | None = None, out: str | Path | No
         tokenizer = load_tokenizer(name, needs_template=False)  # it only decodes
     except ConfigError as e:
         raise ConfigError(e if model else f"{e}; it is model.path of {run_dir / 'config.yaml'}: pass --model") from None
+    # Half a surrogate pair (a tool's output, kept by jsonl_line as its escape) is shown as that
+    # escape; it cannot be encoded as UTF-8.
+    page = build_page(run_dir.resolve().name, records, tokenizer).encode("utf-8", errors="backslashreplace")
+    staging = out_path.with_name(f".{out_path.name}.tmp")
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(build_page(run_dir.resolve().name, records, tokenizer), encoding="utf-8")
+        staging.write_bytes(page)
+        os.replace(staging, out_path)  # an earlier page stays whole until this one is
     except OSError as e:
+        with contextlib.suppress(OSError):  # (its parent may be no directory)
+            staging.unlink(missing_ok=True)
         raise ConfigError(f"--out: cannot write '{out_path}' ({e.strerror}: '{e.filename}')") from None
     shown = sorted({r["step"] for r in records})
     print(f"wrote {out_path} ({len(records)} trajectories, steps {', '.join(map(str, shown))})")

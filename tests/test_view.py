@@ -19,7 +19,7 @@ from agentrl.tools.base import tool
 from agentrl.tools.builtin.calculator import calculator
 from agentrl.tools.parsers import parse_hermes
 from agentrl.types import Task
-from agentrl.view import load_trajectories, run_model, token_pieces
+from agentrl.view import load_trajectories, run_model, run_view, token_pieces
 from tests.conftest import ScriptedEngine
 
 HOSTILE = "<script>document.title='pwned'</script><marquee>not markup</marquee>"
@@ -272,6 +272,7 @@ GOOD = {"task_id": "t", "group_id": "g", "token_ids": [1, 2, 3], "loss_mask": [0
      'messages is [{"role": "assistant", "tool_calls": [{", not a list of objects (tool_calls a list of objects)'),
     ({"messages": [{"role": "assistant", "tool_calls": 5}]},
      'messages is [{"role": "assistant", "tool_calls": 5}], not a list of objects (tool_calls a list of objects)'),
+    ({"metrics": ["turns", 2]}, 'metrics is ["turns", 2], not an object'),
 ])
 def test_a_record_the_page_cannot_show_is_named_not_a_traceback(tmp_path, change, problem):
     """Each of these used to end `agentrl view` in a Python traceback."""
@@ -288,3 +289,19 @@ def test_a_run_with_nothing_but_a_cut_short_line_is_refused(tmp_path):
     (tmp_path / "rollout.jsonl").write_text(json.dumps(GOOD)[:30])
     with pytest.raises(ConfigError, match=f"^{tmp_path}: no complete trajectory to show$"):
         load_trajectories(tmp_path)
+
+
+def test_half_a_surrogate_pair_in_a_trajectory_is_shown_as_its_escape(tmp_path):
+    """jsonl_line keeps such text as its \\ud83d escape, which reads back as the lone surrogate:
+    writing the page then failed with a UnicodeEncodeError, after emptying the view.html before it."""
+    from agentrl.rollout.collect import jsonl_line
+    from agentrl.types import Trajectory
+
+    traj = Trajectory(task_id="t", group_id="g", messages=[{"role": "tool", "content": "half \ud83d pair"}])
+    traj.append([1, 2], trainable=False)
+    (tmp_path / "rollout.jsonl").write_text(jsonl_line(traj))
+    (tmp_path / "view.html").write_text("an earlier page")
+    out = run_view(tmp_path, model="smollm2-135m-instruct")
+    page = out.read_text(encoding="utf-8")
+    assert "half \\ud83d pair" in page and "an earlier page" not in page
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout.jsonl", "view.html"]  # no staging file left
