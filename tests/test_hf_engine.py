@@ -539,3 +539,55 @@ def test_grouped_decode_attention_equals_transformers_sdpa(heads, kv_heads, valu
     got, _ = grouped_decode_attention(query, key, value, None)
     assert got.shape == want.shape == (3, 1, heads, value_dim)
     torch.testing.assert_close(got, want)
+
+
+def test_a_seeded_top_p_draw_is_the_same_whatever_row_shares_its_batch():
+    """A flat row used to send the whole batch to a full sort, which orders tied probabilities
+    (bf16 logits tie often) unlike topk: the same seed then drew another token of the same logit."""
+    torch.manual_seed(0)
+    V, changed = 4096, 0
+    for trial in range(40):
+        row = (torch.randn(1, V) * 3.0).to(torch.bfloat16)
+        row[0, :300] = (torch.randn(300) * 0.3 + 14).to(torch.bfloat16)  # ~300 near-equal logits, many tied
+        flat = (torch.randn(1, V) * 0.01).to(torch.bfloat16)
+        assert torch.softmax(row.float(), -1).topk(256).values.sum() > 0.5  # the row alone: the top-256 path
+        alone, _ = sample_tokens(row, 1.0, 0.5, None, [torch.Generator().manual_seed(trial)])
+        batched, _ = sample_tokens(torch.cat([row, flat]), 1.0, 0.5, None,
+                                   [torch.Generator().manual_seed(trial), torch.Generator().manual_seed(999)])
+        changed += int(alone[0] != batched[0])
+    assert changed == 0
+
+
+def test_a_request_whose_row_cannot_be_made_fails_alone(tiny_model, monkeypatch):
+    """Rows were made after their requests had left the queue and before any was in the batch:
+    one that failed left its batch-mates' futures unresolved for ever (a first admit), or failed
+    every running row with its error (a join mid-decode)."""
+    import agentrl.rollout.hf_engine as hf_engine
+
+    class Row(hf_engine.Row):
+        def __post_init__(self) -> None:
+            if self.sampling.seed == 13:  # a request the row cannot be made for
+                raise ValueError("no row for seed 13")
+            super().__post_init__()
+
+    monkeypatch.setattr(hf_engine, "Row", Row)
+    engine = HFEngine(tiny_model, pad_token_id=2)
+    good, bad = SamplingParams(max_new_tokens=4, temperature=0.0, seed=1), SamplingParams(max_new_tokens=4, seed=13)
+
+    async def together() -> list:
+        return await asyncio.wait_for(asyncio.gather(engine.generate(PROMPTS[0], good), engine.generate(PROMPTS[1], bad),
+                                                     return_exceptions=True), timeout=60)
+
+    async def joining() -> list:
+        long = asyncio.ensure_future(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=1500, temperature=0.0)))
+        await asyncio.sleep(0.05)  # decoding by now (1500 tokens take about a second)
+        joiner = asyncio.ensure_future(engine.generate(PROMPTS[1], bad))
+        return await asyncio.wait_for(asyncio.gather(long, joiner, return_exceptions=True), timeout=60)
+
+    alone = engine.generate_batch([PROMPTS[0]], [greedy(1500)])[0].token_ids
+    first, failed = asyncio.run(together())
+    assert first.token_ids == alone[:4] and str(failed) == "no row for seed 13"
+    running, failed = asyncio.run(joining())
+    assert running.token_ids == alone and str(failed) == "no row for seed 13"
+    with pytest.raises(ValueError, match=r"^generate: seed 18446744073709551616 is no integer from 0 to 2\*\*64 - 1"):
+        asyncio.run(engine.generate(PROMPTS[0], SamplingParams(seed=2**64)))

@@ -123,7 +123,12 @@ class HFEngine:
         settled: set[int] = set()
 
         def admit(room: int) -> list[Row]:
-            new = [Row(r.token_ids, r.sampling, owner=r) for r in self._pending.take(key, room)]
+            new = []
+            for request in self._pending.take(key, room):
+                try:  # a request whose row cannot be made fails alone, not the batch it would join
+                    new.append(Row(request.token_ids, request.sampling, owner=request))
+                except Exception as e:
+                    deliver(request.future, e)
             rows.extend(new)
             return new
 

@@ -31,6 +31,9 @@ def check_request(model, token_ids: list[int], sampling: SamplingParams) -> None
     model past its positions, decode garbage silently."""
     if not token_ids:
         raise ValueError("generate needs at least one prompt token")
+    seed = sampling.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise ValueError(f"generate: seed {seed!r} is no integer from 0 to 2**64 - 1 (a torch.Generator's seed)")
     vocabulary = model.get_input_embeddings().num_embeddings
     if not all(0 <= t < vocabulary for t in token_ids):
         bad = next(t for t in token_ids if not 0 <= t < vocabulary)

@@ -71,11 +71,17 @@ def nucleus(probs_BV: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.T
     Only the `NUCLEUS_CANDIDATES` most likely tokens are ordered when they hold more than `top_p`
     of every row's mass, which they almost always do: sorting a whole 49k vocabulary took 57 ms
     for 32 rows on 2 cores, about half a decode step, against 3 ms for the top 256. A flatter row
-    sorts everything, with the same result."""
-    k = min(NUCLEUS_CANDIDATES, probs_BV.shape[-1])
+    sorts everything, with the same result. Which way a row goes is its own: topk and sort order
+    tied probabilities (common in bf16) differently, so one flat row sorting its whole batch
+    changed which token a seeded row drew, against SamplingParams.seed's promise."""
+    B, V = probs_BV.shape
+    k = min(NUCLEUS_CANDIDATES, V)
     top_BK, order_BK = probs_BV.topk(k, dim=-1)
+    flat_B = ~(top_BK.sum(dim=-1) > top_p) if k < V else torch.zeros(B, dtype=torch.bool, device=probs_BV.device)
+    if bool(flat_B.any()):
+        # the other rows widened with zeros (past their nucleus anyway), the flat ones fully sorted
+        top_BK = torch.cat([top_BK, top_BK.new_zeros(B, V - k)], dim=-1)
+        order_BK = torch.cat([order_BK, order_BK[:, -1:].expand(B, V - k)], dim=-1)
+        top_BK[flat_B], order_BK[flat_B] = probs_BV[flat_B].sort(dim=-1, descending=True)
     cumulative_BK = top_BK.cumsum(dim=-1)
-    if k < probs_BV.shape[-1] and not bool((cumulative_BK[:, -1] > top_p).all()):
-        top_BK, order_BK = probs_BV.sort(dim=-1, descending=True)
-        cumulative_BK = top_BK.cumsum(dim=-1)
     return top_BK.masked_fill(cumulative_BK - top_BK > top_p, 0.0), order_BK
