@@ -102,6 +102,12 @@ def training_warnings(config: RecipeConfig) -> list[str]:
                      f"trainer.mini_batches {t.mini_batches}: the importance ratio compares logprobs with dropout "
                      "against logprobs without it, so it is not 1 at unchanged weights and the clip acts on noise "
                      "(model.lora.dropout 0 keeps the ratio exact)")
+    placed = [f"trainer.{key} {value}" for key, value, default in (
+        ("placement", f"'{t.placement}'", "'colocated'"), ("cpus_per_worker", f"{t.cpus_per_worker:g}", "1"))
+        if value != default]
+    if t.backend == "local" and placed:
+        found.append(f"{' and '.join(placed)} place Ray workers, but trainer.backend 'local' runs every role in "
+                     "this process: they have no effect")
     return found
 
 

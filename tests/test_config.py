@@ -168,6 +168,10 @@ GREEDY_WARNING = ("agentrl: warning: rollout.temperature 0 samples every episode
         "ratio compares logprobs with dropout against logprobs without it, so it is not 1 at unchanged weights and "
         "the clip acts on noise (model.lora.dropout 0 keeps the ratio exact)"]),
     (["model.lora.rank=8", "model.lora.dropout=0.1"], []),  # one pass: the ratio's two sides are the same pass
+    (["trainer.placement=split", "trainer.cpus_per_worker=4"], [
+        "agentrl: warning: trainer.placement 'split' and trainer.cpus_per_worker 4 place Ray workers, but "
+        "trainer.backend 'local' runs every role in this process: they have no effect"]),
+    (["trainer.backend=ray", "trainer.placement=split", "trainer.cpus_per_worker=4"], []),
     ([], []),
 ])
 def test_settings_that_train_but_not_as_meant_are_warned_of(overrides, warnings):
