@@ -876,13 +876,13 @@ def test_a_url_with_a_password_or_a_query_shows_neither_in_errors():
 
 
 class SlowExecuteHandler(FlakyHandler):
-    """A stand-in server whose every execute takes 1.2 s, to meet more calls at once than httpx's
+    """A stand-in server whose every execute takes 2 s, to meet more calls at once than httpx's
     default pool of 100 connections holds; everything else is real HTTP on loopback."""
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path.endswith("/execute"):
-            time.sleep(1.2)
+            time.sleep(2.0)
             return self.reply(200, {"text": "ok", "reward": None, "metrics": {}, "error": None})
         self.reply(200, {"instance_id": body["instance_id"], "error": None})
 
@@ -894,11 +894,11 @@ class ManyAtOnce(ThreadingHTTPServer):
 
 def test_more_calls_at_once_than_a_connection_pool_holds_all_get_their_answers():
     """With httpx's 100 connections, the other calls waited for one within their attempt's limit
-    and failed as timeouts after the tool had run (each answers in 1.2 s; the limit is 2 s)."""
+    and failed as timeouts after the tool had run (each answers in 2 s; the limit is 3.3 s)."""
     httpd = ManyAtOnce(("127.0.0.1", 0), SlowExecuteHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", timeout_s=1.6,
-                         connect_timeout_s=0.4, retries=0)
+    source = RemoteTools(f"http://127.0.0.1:{httpd.server_address[1]}", token="t", timeout_s=2.8,
+                         connect_timeout_s=0.5, retries=0)
     (echo,) = source.tools()
 
     async def calls(n: int) -> list[str]:
@@ -1065,3 +1065,27 @@ def test_answers_are_asked_for_uncompressed_so_the_size_cap_holds_as_read():
         with pytest.raises(RemoteToolError, match=r"the answer is longer than 1 MB \(max_response_mb\)"):
             asyncio.run(echo.execute("e/echo", {}))
     assert EncodingHandler.accepted == ["identity", "identity"]
+
+
+def test_what_a_background_loop_started_is_finished_or_cancelled_before_it_closes():
+    """close() stopped the loop under a release sent in the background: it was destroyed
+    mid-request ("Task was destroyed but it is pending"), and the server kept the instance until
+    its expiry."""
+    from agentrl.tools.background_loop import BackgroundLoop
+
+    ended: list[str] = []
+
+    async def release(name: str, seconds: float) -> None:
+        try:
+            await asyncio.sleep(seconds)
+            ended.append(f"{name} done")
+        except asyncio.CancelledError:
+            ended.append(f"{name} cancelled")
+            raise
+
+    loop = BackgroundLoop("test-loop")
+    loop.submit(release("quick", 0.3))
+    loop.submit(release("stuck", 60))
+    started = time.monotonic()
+    loop.close(timeout_s=2.0)
+    assert sorted(ended) == ["quick done", "stuck cancelled"] and time.monotonic() - started < 5

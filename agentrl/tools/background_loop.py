@@ -4,8 +4,9 @@ The rollout runs every step under an event loop of its own, and an asyncio conne
 pool, an MCP session with its anyio task group) belongs to the loop that opened it: reused from the
 next step's loop it fails. Remote and MCP tools therefore open their connection once on this loop
 and every episode of every step submits its calls here with `await loop.run(coro)`; cancelling the
-caller (ToolEnv's timeout) cancels the call. `close()` runs a last coroutine (closing the
-connection), stops the loop and joins the thread; an atexit hook does it for whatever is left open.
+caller (ToolEnv's timeout) cancels the call. `close()` lets what `submit()` started finish (for
+a while), runs a last coroutine (closing the connection), stops the loop and joins the thread; an
+atexit hook does it for whatever is left open.
 
 This is not a worker pool: coroutines run concurrently on one thread, so they must not block it.
 """
@@ -31,6 +32,7 @@ class BackgroundLoop:
         self._thread.start()
         self._closed = False
         self._cleanup: Callable[[], Awaitable[Any]] | None = None
+        self._submitted: set[concurrent.futures.Future] = set()  # what submit() started and close() waits for
         atexit.register(self.close)
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -41,7 +43,9 @@ class BackgroundLoop:
         """Start `coro` on the background loop and wait for nothing (a no-op once closed)."""
         try:
             if not self._closed:
-                asyncio.run_coroutine_threadsafe(coro, self.loop)
+                started = asyncio.run_coroutine_threadsafe(coro, self.loop)
+                self._submitted.add(started)
+                started.add_done_callback(self._submitted.discard)
                 return
         except RuntimeError:  # closed meanwhile
             pass
@@ -65,6 +69,13 @@ class BackgroundLoop:
             return
         self._closed = True
         atexit.unregister(self.close)
+        # What submit() started (a release sent in the background) gets half the time to finish,
+        # then is cancelled: a task left pending on a closed loop is destroyed mid-request.
+        _, unfinished = concurrent.futures.wait(list(self._submitted), timeout_s / 2)
+        for started in unfinished:
+            started.cancel()
+        if unfinished:
+            concurrent.futures.wait(unfinished, timeout_s / 2)
         if self._cleanup is not None:
             try:
                 self.run_sync(self._cleanup(), timeout_s)
