@@ -480,3 +480,15 @@ def test_a_stdio_message_over_the_cap_fails_its_call_at_once_and_the_next_call_r
     finally:
         source.close()
     assert server_stopped(marker)
+
+
+def test_a_server_that_never_answers_at_startup_is_named_within_the_connect_timeout():
+    """The load waited connect_timeout_s + 5 s and said only "TimeoutError: "."""
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):  # listening, never answering
+        started = time.monotonic()
+        with pytest.raises(ValueError) as refused:
+            MCPTools(allow=["multiply"], url=f"http://127.0.0.1:{port}/mcp", connect_timeout_s=1)
+        waited_s = time.monotonic() - started
+    assert str(refused.value) == f"cannot reach the MCP server http://127.0.0.1:{port}/mcp: no session within 1 s"
+    assert waited_s < 4, waited_s

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -103,12 +104,16 @@ class MCPTools:
         self._attempt: asyncio.Task[Any] | None = None  # the reconnection under way, shared by every call
         self._loop = BackgroundLoop("agentrl-mcp")
         self._loop.on_close(lambda: self._end_session())
-        try:
-            self._loop.run_sync(self._connect(), connect_timeout_s + 5)
+        waiting_for = "session"
+        try:  # (the loop's own wait is a backstop, should the cancellation at connect_timeout_s hang)
+            self._loop.run_sync(asyncio.wait_for(self._connect(), connect_timeout_s), connect_timeout_s + 5)
+            waiting_for = "tool list"
             offered = self._loop.run_sync(self._list_tools(), connect_timeout_s)
         except Exception as e:
             self.close()
-            raise ValueError(f"cannot reach the MCP server {self.label}: {_describe(e, self._hidden)}") from None
+            timed_out = isinstance(e, (asyncio.TimeoutError, concurrent.futures.TimeoutError))
+            reason = f"no {waiting_for} within {connect_timeout_s:g} s" if timed_out else _describe(e, self._hidden)
+            raise ValueError(f"cannot reach the MCP server {self.label}: {reason}") from None
         missing = [name for name in allow if name not in offered]
         if missing:
             self.close()
