@@ -354,3 +354,80 @@ def test_episode_with_the_repository_tool_file(tokenizer):
     assert traj.messages[2] == {"role": "tool", "name": "python",
                                 "content": "exit: exit code 0\n--- stdout ---\n1267650600228229401496703205376\n"}
     assert traj.finish == "stop" and traj.metrics["python_runs"] == 1.0
+
+
+@pytest.mark.parametrize("isolation", [pytest.param("bwrap", marks=needs_bwrap), "none"])
+def test_the_launcher_ends_the_program_at_its_own_deadline_when_no_one_kills_it(isolation):
+    """The caller enforces the wall time by killing bubblewrap's process group; a run cancelled
+    as it started could kill bubblewrap in the moment after it forked the sandbox and before
+    --die-with-parent took hold, and the program then ran on with no wall limit. The launcher's
+    own deadline (wall time + LAUNCHER_GRACE_S) ends it, and in bubblewrap its PID namespace."""
+    import subprocess
+
+    limits = sandbox.Limits(wall_s=0.5)
+    code = "import subprocess, time\nsubprocess.Popen(['sleep', '60'])\nprint('started', flush=True)\ntime.sleep(60)\n"
+    uid = sandbox.run_uid(isolation)
+    workdir = sandbox._new_workdir(code, isolation, uid)
+    status_r, status_w = os.pipe()
+    try:
+        started = time.monotonic()
+        # capture_output waits for end-of-file too: for every process holding stdout to be gone
+        done = subprocess.run(sandbox._command(isolation, sandbox.resolve_python("python3"), workdir, limits, status_w),
+                              capture_output=True, text=True, timeout=20, pass_fds=(status_w,),
+                              stdin=subprocess.DEVNULL, cwd=workdir, env=sandbox._environment(workdir),
+                              start_new_session=True, **sandbox._user_kwargs(uid))
+        elapsed = time.monotonic() - started
+    finally:
+        os.close(status_w)
+        os.close(status_r)
+        sandbox._remove(workdir)
+    assert done.stdout == "started\n"
+    assert 1 + sandbox.LAUNCHER_GRACE_S - 0.5 < elapsed < 1 + sandbox.LAUNCHER_GRACE_S + 5, elapsed
+
+
+def test_a_run_that_cannot_make_its_pipes_leaves_no_directory_or_descriptor(monkeypatch):
+    """Its directory and first pipes were made outside the try that removes them (EMFILE)."""
+    import errno
+
+    made, real_pipe = [], os.pipe
+
+    def pipe() -> tuple[int, int]:
+        if len(made) == 2:
+            raise OSError(errno.EMFILE, "Too many open files")
+        made.append(real_pipe())
+        return made[-1]
+
+    before = set(Path(sandbox.run_root()).glob("agentrl-python-*"))
+    monkeypatch.setattr(os, "pipe", pipe)
+    with pytest.raises(OSError, match="Too many open files"):
+        asyncio.run(sandbox.run_python("print(1)", sandbox.Limits(), "none", sandbox.resolve_python("python3")))
+    monkeypatch.undo()
+    assert set(Path(sandbox.run_root()).glob("agentrl-python-*")) == before
+    for fd in (fd for pair in made for fd in pair):
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(fd)
+
+
+def test_the_tool_promises_no_network_only_where_the_sandbox_takes_it_away(capsys):
+    described = lambda tool: tool.schema["function"]["description"]  # noqa: E731
+    assert "without network access" not in described(PythonTool(isolation="none"))
+    if bwrap_problem() is None:
+        assert "without network access" in described(PythonTool(isolation="bwrap"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a run gets a user of its own only when agentrl runs as root")
+def test_without_bubblewrap_concurrent_runs_as_root_each_have_a_user_and_a_process_limit_of_their_own():
+    """Every run was `nobody`, whose process count the kernel keeps over all of them: with 17
+    others in flight, a program could not start one thread."""
+    code = ("import os, threading, time\nt = threading.Thread(target=time.sleep, args=(1.5,))\nt.start()\n"
+            "print(os.getuid())\nt.join()\n")
+    python = sandbox.resolve_python("python3")
+
+    async def together() -> list[sandbox.RunResult]:
+        return await asyncio.gather(*(sandbox.run_python(code, sandbox.Limits(wall_s=30), "none", python)
+                                      for _ in range(18)))
+
+    results = asyncio.run(together())
+    assert [(r.exit_code, r.stderr) for r in results] == [(0, "")] * 18
+    uids = [int(r.stdout) for r in results]
+    assert len(set(uids)) == 18 and all(uid in sandbox.RUN_UIDS for uid in uids)

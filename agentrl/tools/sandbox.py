@@ -20,12 +20,12 @@ Isolation, chosen once per process by probing what works on the machine:
   root the sandbox runs as `nobody`, so the process limit applies (the kernel exempts root from it)
   and root's files stay unreadable; the PID namespace ends every process the program started when
   it exits.
-- `none` (no working bubblewrap): the same limits and temporary directory, run as `nobody` when
-  agentrl is root, otherwise as the current user (then without a process limit, since the kernel
-  counts that limit over all of the user's processes). Files writable by that user, the network
-  and other processes' sockets are all reachable, and a process that detached itself (`setsid`)
-  outlives the call; the rest of its process group is killed. A warning says so when the tool is
-  built.
+- `none` (no working bubblewrap): the same limits and temporary directory, run as a user of its
+  own (RUN_UIDS, no account's) when agentrl is root, otherwise as the current user (then without a
+  process limit, since the kernel counts that limit over all of the user's processes). Files
+  writable by every user (or by the current one), the network and other processes' sockets are
+  all reachable, and a process that detached itself (`setsid`) outlives the call; the rest of its
+  process group is killed. A warning says so when the tool is built.
 
 Not isolated in either mode: world-readable host files can be read; memory is bounded per process
 as address space, so memory no address space holds (memfd files and SysV shared memory, up to
@@ -42,8 +42,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import stat
@@ -55,19 +57,33 @@ from pathlib import Path
 from typing import Any
 
 NOBODY = 65534
+# Without bubblewrap, a root-started run gets a user of its own from this range, which no account
+# uses: the process limit counts every process of a user, so under one shared `nobody` concurrent
+# runs spent each other's (a program could not start a thread with 16 others running, and one that
+# forked 31 children starved them all), and each could signal or trace the others' processes.
+RUN_UIDS = range(0x7F000000, 0x7FFF0000)
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
-# Runs inside the sandbox as `python -I -S -c LAUNCHER limits.json program.py status_fd`: applies the
-# rlimits to a child, execs the program there, and writes the child's raw wait status to the pipe.
+# Runs inside the sandbox as `python -I -S -c LAUNCHER limits.json program.py status_fd deadline_s`:
+# applies the rlimits to a child, execs the program there, and writes the child's raw wait status to
+# the pipe. At `deadline_s` (past the wall time, which the caller enforces) it kills its process
+# group and exits, ending the PID namespace whose first process it is under bubblewrap: the caller
+# kills bubblewrap, whose --die-with-parent misses a child it forked in the moment before it was
+# killed (a run cancelled as it starts), and that child would otherwise run on with no wall limit.
 # Not dumpable (PR_SET_DUMPABLE 0, before the fork; exec makes the program dumpable again): the
 # program runs as the same user, and could otherwise write the pipe through /proc or pidfd_getfd, or
 # the launcher's memory, which no rlimit bounds. It reports "STATUS CPU_SECONDS".
 LAUNCHER = """\
-import ctypes, json, os, resource, sys
+import ctypes, json, os, resource, signal, sys
 limits, program, status_fd = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+def deadline(*_):
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGALRM, deadline)
+signal.alarm(int(sys.argv[4]))
 pid = os.fork()
 if pid == 0:
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
     os.close(status_fd)
     for name, value in limits.items():
         resource.setrlimit(getattr(resource, name), tuple(value))
@@ -77,6 +93,7 @@ os.write(status_fd, f"{status} {usage.ru_utime + usage.ru_stime:.3f}".encode())
 """
 STATUS = re.compile(rb"(\d{1,5}) (\d{1,9}\.\d{3})")
 OPEN_FILES = 256
+LAUNCHER_GRACE_S = 3  # the launcher's own deadline is this far past the wall time the caller enforces
 
 
 @dataclass(frozen=True)
@@ -127,7 +144,7 @@ def bwrap_problem(python: str | None = None) -> str | None:
     try:
         done = subprocess.run(_command("bwrap", python, workdir, Limits(), status_w), capture_output=True,
                               text=True, timeout=20, pass_fds=(status_w,), stdin=subprocess.DEVNULL, cwd=workdir,
-                              env=_environment(workdir), start_new_session=True, **_user_kwargs())
+                              env=_environment(workdir), start_new_session=True, **_user_kwargs(run_uid("bwrap")))
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"bubblewrap cannot run ({e})"
     finally:
@@ -142,7 +159,8 @@ def bwrap_problem(python: str | None = None) -> str | None:
 @functools.cache
 def run_root() -> str:
     """Where run directories are made: the temporary directory, unless agentrl runs as root (the
-    program then runs as `nobody`) and `nobody` cannot reach it, as with a TMPDIR of mode 0700."""
+    program then runs as another user, run_uid) and other users cannot reach it, as with a TMPDIR
+    of mode 0700."""
     base = tempfile.gettempdir()
     if os.geteuid() != 0:
         return base
@@ -151,19 +169,28 @@ def run_root() -> str:
         ancestors = [path, *(str(parent) for parent in Path(path).parents)]
         if os.path.isdir(path) and all(os.stat(a).st_mode & stat.S_IXOTH for a in ancestors):
             return path
-    raise ValueError(f"no directory for the program's runs: user nobody cannot enter the temporary directory {base} "
-                     "(TMPDIR) or /tmp")
+    raise ValueError(f"no directory for the program's runs: its user (not root) cannot enter the temporary directory "
+                     f"{base} (TMPDIR) or /tmp")
 
 
-def _new_workdir(code: str, isolation: str) -> Path:
-    """A fresh directory holding the program as main.py, readable by whoever runs it."""
+def run_uid(isolation: str) -> int | None:
+    """The user a run executes as: None (the caller's) without root; `nobody` in bubblewrap (its
+    own user namespace keeps runs apart); else one of RUN_UIDS, drawn for this run."""
+    if os.geteuid() != 0:
+        return None
+    return NOBODY if isolation == "bwrap" else RUN_UIDS[secrets.randbelow(len(RUN_UIDS))]
+
+
+def _new_workdir(code: str, isolation: str, uid: int | None = None) -> Path:
+    """A fresh directory holding the program as main.py, readable by whoever runs it (`uid`, who
+    owns it without bubblewrap's tmpfs over it)."""
     workdir = Path(tempfile.mkdtemp(prefix="agentrl-python-", dir=run_root()))
     try:
         (workdir / "main.py").write_text(code, encoding="utf-8")
         os.chmod(workdir / "main.py", 0o644)
         os.chmod(workdir, 0o755)
-        if isolation != "bwrap" and os.geteuid() == 0:
-            os.chown(workdir, NOBODY, NOBODY)  # without a tmpfs over it, `nobody` writes here itself
+        if isolation != "bwrap" and uid is not None:
+            os.chown(workdir, uid, uid)  # without a tmpfs over it, the run's user writes here itself
     except BaseException:
         _remove(workdir)
         raise
@@ -201,9 +228,9 @@ def resolve_python(python: str) -> str:
     return found
 
 
-def _user_kwargs() -> dict[str, Any]:
-    """Popen arguments that drop root to `nobody`; nothing for an unprivileged user."""
-    return {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
+def _user_kwargs(uid: int | None) -> dict[str, Any]:
+    """Popen arguments that drop root to `uid` (run_uid); nothing for an unprivileged user."""
+    return {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
 
 
 def _rlimits(limits: Limits, with_nproc: bool) -> dict[str, tuple[int, int]]:
@@ -220,9 +247,11 @@ def _rlimits(limits: Limits, with_nproc: bool) -> dict[str, tuple[int, int]]:
 def _command(isolation: str, python: str, workdir: Path, limits: Limits, status_fd: int) -> list[str]:
     program = str(workdir / "main.py")
     # Inside a user namespace the process count is per sandbox; outside it only a root-started run
-    # has a uid (`nobody`) whose count is not the caller's whole session.
+    # has a uid (its own, run_uid) whose count is not the caller's whole session.
     nproc = isolation == "bwrap" or os.geteuid() == 0
-    launch = [python, "-I", "-S", "-c", LAUNCHER, json.dumps(_rlimits(limits, nproc)), program, str(status_fd)]
+    deadline_s = math.ceil(limits.wall_s) + LAUNCHER_GRACE_S
+    launch = [python, "-I", "-S", "-c", LAUNCHER, json.dumps(_rlimits(limits, nproc)), program, str(status_fd),
+              str(deadline_s)]
     if isolation != "bwrap":
         return launch
     size = str(limits.disk_mb * 1024 * 1024)
@@ -244,15 +273,18 @@ def _environment(workdir: Path) -> dict[str, str]:
 
 async def run_python(code: str, limits: Limits, isolation: str, python: str) -> RunResult:
     """Run `code` as a fresh program under `limits`; the temporary directory is gone on return."""
-    workdir = _new_workdir(code, isolation)
-    pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, the launcher's status
+    uid = run_uid(isolation)
+    workdir = _new_workdir(code, isolation, uid)
+    pipes: list[tuple[int, int]] = []
     try:
+        for _ in range(3):  # stdout, stderr, the launcher's status (made one by one: any may fail, EMFILE)
+            pipes.append(os.pipe())
         started = time.monotonic()
         (out_r, out_w), (err_r, err_w), (status_r, status_w) = pipes
         proc = await asyncio.create_subprocess_exec(
             *_command(isolation, python, workdir, limits, status_w), stdin=subprocess.DEVNULL,
             stdout=out_w, stderr=err_w, pass_fds=(status_w,), cwd=workdir, env=_environment(workdir),
-            start_new_session=True, **_user_kwargs())
+            start_new_session=True, **_user_kwargs(uid))
         for fd in (out_w, err_w, status_w):
             os.close(fd)
         pipes = []  # the write ends are closed; _supervise closes the read ends, whatever happens
