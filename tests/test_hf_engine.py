@@ -572,7 +572,9 @@ def test_a_request_whose_row_cannot_be_made_fails_alone(tiny_model, monkeypatch)
 
     monkeypatch.setattr(hf_engine, "Row", Row)
     engine = HFEngine(tiny_model, pad_token_id=2)
-    good, bad = SamplingParams(max_new_tokens=4, temperature=0.0, seed=1), SamplingParams(max_new_tokens=4, seed=13)
+    # one temperature: the bad request is taken with the others, into their batch
+    good = SamplingParams(max_new_tokens=4, temperature=0.0, seed=1)
+    bad = SamplingParams(max_new_tokens=4, temperature=0.0, seed=13)
 
     async def together() -> list:
         return await asyncio.wait_for(asyncio.gather(engine.generate(PROMPTS[0], good), engine.generate(PROMPTS[1], bad),

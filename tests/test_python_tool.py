@@ -431,3 +431,28 @@ def test_without_bubblewrap_concurrent_runs_as_root_each_have_a_user_and_a_proce
     assert [(r.exit_code, r.stderr) for r in results] == [(0, "")] * 18
     uids = [int(r.stdout) for r in results]
     assert len(set(uids)) == 18 and all(uid in sandbox.RUN_UIDS for uid in uids)
+
+
+def test_a_user_namespace_that_maps_too_few_uids_keeps_runs_as_nobody(tmp_path, monkeypatch):
+    """Rootless containers often map only 0..65535: a chown or setuid to a run's own uid failed
+    there (EINVAL) on every call."""
+    full, narrow = tmp_path / "full", tmp_path / "narrow"
+    full.write_text("         0          0 4294967295\n")
+    narrow.write_text("         0     100000      65536\n")
+    assert sandbox.run_uids_mapped(str(full)) and not sandbox.run_uids_mapped(str(narrow))
+    assert not sandbox.run_uids_mapped(str(tmp_path / "missing"))
+    if os.geteuid() == 0:
+        monkeypatch.setattr(sandbox, "run_uids_mapped", lambda: False)
+        assert sandbox.run_uid("none") == sandbox.NOBODY
+        text, _, _ = run("import os\nprint(os.getuid())", isolation="none")
+        assert text == f"exit: exit code 0\n--- stdout ---\n{sandbox.NOBODY}\n"
+
+
+@pytest.mark.parametrize("isolation", [pytest.param("bwrap", marks=needs_bwrap), "none"])
+def test_a_program_the_launchers_deadline_ended_is_reported_at_the_wall_limit(isolation, monkeypatch):
+    """Past its deadline the launcher kills the program itself (the caller's loop stalled): that
+    read as "sandbox error (exit code -9)" or "killed by signal SIGKILL"."""
+    monkeypatch.setattr(sandbox, "launcher_deadline_s", lambda limits: 1)  # before the caller's 10 s
+    result = asyncio.run(sandbox.run_python("import time\ntime.sleep(60)\n", sandbox.Limits(wall_s=10), isolation,
+                                            sandbox.resolve_python("python3")))
+    assert result.limit == "wall" and result.wall_s < 5, result

@@ -99,8 +99,12 @@ def test_an_interrupted_rollout_keeps_the_episodes_that_finished_and_no_stale_su
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     if signal_name == "SIGTERM":
         env["AGENTRL_TEST_SIGNAL"] = str(int(signal.SIGTERM))
+    # Ctrl-C as a terminal delivers it, also when this test runs where SIGINT is ignored (a job
+    # started in the background by a non-interactive shell), which the child would inherit.
+    with_ctrl_c = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "sys.argv[0] = 'agentrl'; runpy.run_module('agentrl.cli', run_name='__main__')")
     done = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml", f"model.path={tiny_model_dir}",
+        [sys.executable, "-c", with_ctrl_c, "rollout", "recipes/rollout_cpu.yaml", f"model.path={tiny_model_dir}",
          f"output_dir={out}", "data.num_tasks=3", "rollout.group_size=1", "rollout.max_concurrent_episodes=1",
          "rollout.max_new_tokens_per_turn=4", "reward.function=tests.test_rollout_cli:interrupting_grader"],
         capture_output=True, text=True, timeout=300, env=env)

@@ -1008,3 +1008,31 @@ def test_resume_compares_the_models_as_they_are_built_and_names_an_unreadable_re
     assert str(err.value) == (f"{checkpoint / 'recipe.json'}: cannot read this checkpoint (JSONDecodeError: Expecting "
                               f"value: line 1 column 11 (char 10)); if it is damaged, delete {checkpoint} to resume "
                               "from the checkpoint before it")
+
+
+def test_only_a_checkpoint_file_that_is_itself_damaged_gets_the_advice_to_delete_it(tmp_path, monkeypatch):
+    """Every failure to read it said "delete step_N": also one of this code (a class a pickle names
+    that is gone after an upgrade), or out of memory, after which the checkpoint is good."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.checkpoint import damaged, read_checkpoint_file
+
+    assert damaged(EOFError("Ran out of input")) and damaged(RuntimeError("PytorchStreamReader failed reading zip"))
+    assert not damaged(RuntimeError("CUDA out of memory")) and not damaged(ModuleNotFoundError("no module 'x'"))
+    assert damaged(CheckpointException("x", {0: (FileNotFoundError(2, "gone"), None)}))
+    assert not damaged(CheckpointException("x", {0: (RuntimeError("NCCL timeout"), None)}))
+    (tmp_path / "gone_module.py").write_text("class Kept:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gone_module
+
+    step = tmp_path / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    torch.save({"kept": gone_module.Kept()}, step / "trainer_state.pt")
+    (tmp_path / "gone_module.py").unlink()
+    monkeypatch.delitem(sys.modules, "gone_module")
+    with pytest.raises(ModuleNotFoundError):  # as it is: the file is fine, this code lacks the class
+        read_checkpoint_file(step / "trainer_state.pt")
+    (step / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=re.escape(f"if it is damaged, delete {step} to resume from the checkpoint")):
+        read_checkpoint_file(step / "trainer_state.pt")

@@ -85,7 +85,8 @@ class BackgroundServer:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop(timeout_s=5.0)  # a server that starts late must not serve, nor keep the port
-                sock.close()
+                if not self._thread.is_alive():  # else its loop may hold the socket still: left to it
+                    sock.close()
                 raise RuntimeError(f"the endpoint on {self.base_url} did not start")
             time.sleep(0.01)
 

@@ -18,7 +18,7 @@ come after the tool ran, and running it twice could repeat its effect (a payment
 written). A 4xx (or a 3xx: redirects are not followed), a tool error, retries running out, an
 answer that is not the JSON object the server's API defines, or one longer than `max_response_mb`
 (read no further, and asked for uncompressed: a runaway tool's output costs no memory beyond the
-cap) raise RemoteToolError, which ToolEnv turns into an error message for the model. The client
+cap, unless a proxy compresses all the same) raise RemoteToolError, which ToolEnv turns into an error message for the model. The client
 names each instance it creates, so a create is retried like any repeatable call, and one that
 got no answer or was cancelled (ToolEnv's timeout) is released anyway: the server may have made
 it after all. A release sent again that finds its instance unknown (404) succeeded: an attempt

@@ -61,6 +61,7 @@ NOBODY = 65534
 # uses: the process limit counts every process of a user, so under one shared `nobody` concurrent
 # runs spent each other's (a program could not start a thread with 16 others running, and one that
 # forked 31 children starved them all), and each could signal or trace the others' processes.
+# Where the user namespace does not map the range (run_uids_mapped), runs are `nobody` as before.
 RUN_UIDS = range(0x7F000000, 0x7FFF0000)
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -173,12 +174,36 @@ def run_root() -> str:
                      f"{base} (TMPDIR) or /tmp")
 
 
+_RUN_UIDS_IN_USE: set[int] = set()  # by this process's runs: a draw skips them
+
+
+@functools.cache
+def run_uids_mapped(uid_map: str = "/proc/self/uid_map") -> bool:
+    """Whether this user namespace maps all of RUN_UIDS: a container with a user namespace of its
+    own often maps only 0..65535, and a chown or setuid to an unmapped uid fails (EINVAL)."""
+    try:
+        ranges = [tuple(map(int, line.split())) for line in open(uid_map).read().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return any(inside <= RUN_UIDS.start and RUN_UIDS.stop <= inside + count for inside, _, count in ranges)
+
+
 def run_uid(isolation: str) -> int | None:
     """The user a run executes as: None (the caller's) without root; `nobody` in bubblewrap (its
-    own user namespace keeps runs apart); else one of RUN_UIDS, drawn for this run."""
+    own user namespace keeps runs apart) or where RUN_UIDS are not mapped; else one of RUN_UIDS
+    that no other run of this process holds (release_run_uid gives it back)."""
     if os.geteuid() != 0:
         return None
-    return NOBODY if isolation == "bwrap" else RUN_UIDS[secrets.randbelow(len(RUN_UIDS))]
+    if isolation == "bwrap" or not run_uids_mapped():
+        return NOBODY
+    while (uid := RUN_UIDS[secrets.randbelow(len(RUN_UIDS))]) in _RUN_UIDS_IN_USE:
+        pass
+    _RUN_UIDS_IN_USE.add(uid)
+    return uid
+
+
+def release_run_uid(uid: int | None) -> None:
+    _RUN_UIDS_IN_USE.discard(uid)  # (None and NOBODY were never held)
 
 
 def _new_workdir(code: str, isolation: str, uid: int | None = None) -> Path:
@@ -244,14 +269,17 @@ def _rlimits(limits: Limits, with_nproc: bool) -> dict[str, tuple[int, int]]:
     return values
 
 
+def launcher_deadline_s(limits: Limits) -> int:
+    return math.ceil(limits.wall_s) + LAUNCHER_GRACE_S
+
+
 def _command(isolation: str, python: str, workdir: Path, limits: Limits, status_fd: int) -> list[str]:
     program = str(workdir / "main.py")
     # Inside a user namespace the process count is per sandbox; outside it only a root-started run
     # has a uid (its own, run_uid) whose count is not the caller's whole session.
     nproc = isolation == "bwrap" or os.geteuid() == 0
-    deadline_s = math.ceil(limits.wall_s) + LAUNCHER_GRACE_S
     launch = [python, "-I", "-S", "-c", LAUNCHER, json.dumps(_rlimits(limits, nproc)), program, str(status_fd),
-              str(deadline_s)]
+              str(launcher_deadline_s(limits))]
     if isolation != "bwrap":
         return launch
     size = str(limits.disk_mb * 1024 * 1024)
@@ -274,7 +302,11 @@ def _environment(workdir: Path) -> dict[str, str]:
 async def run_python(code: str, limits: Limits, isolation: str, python: str) -> RunResult:
     """Run `code` as a fresh program under `limits`; the temporary directory is gone on return."""
     uid = run_uid(isolation)
-    workdir = _new_workdir(code, isolation, uid)
+    try:
+        workdir = _new_workdir(code, isolation, uid)
+    except BaseException:
+        release_run_uid(uid)
+        raise
     pipes: list[tuple[int, int]] = []
     try:
         for _ in range(3):  # stdout, stderr, the launcher's status (made one by one: any may fail, EMFILE)
@@ -294,11 +326,17 @@ async def run_python(code: str, limits: Limits, isolation: str, python: str) -> 
         _remove(workdir)
         for fd in (fd for pair in pipes for fd in pair):
             os.close(fd)
+        # its processes were killed with the launcher's group (one that detached itself outlives
+        # the run, as said above; a later draw is unlikely to meet its uid)
+        release_run_uid(uid)
     exit_code = os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
     # SIGXCPU at the soft limit; SIGKILL at the hard one (a second later) for a program ignoring it
     if limit is None and (sig == signal.SIGXCPU or sig == signal.SIGKILL and cpu_used >= max(1, round(limits.cpu_s))):
         limit = "cpu"
+    # the launcher's own deadline (this loop stalled past the wall time): the wall limit all the same
+    if limit is None and (status is None or sig == signal.SIGKILL) and wall_s >= launcher_deadline_s(limits) - 0.5:
+        limit = "wall"
     text_err = _text(err.data)
     if status is None and limit is None:  # the launcher never reported: the sandbox itself failed
         exit_code, text_err = proc.returncode, f"sandbox error (exit code {proc.returncode}): {text_err}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import secrets
 import shutil
@@ -229,8 +230,10 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
             dcp.load(state, checkpoint_id=str(path), no_dist=not ranks.distributed)
     except (Exception, CheckpointException) as e:  # its text holds tracebacks; the first missing key or size says it
         found = re.search(r"Missing key in checkpoint state_dict: [\w.]+|[Ss]ize mismatch[^\n]*", str(e))
-        if found is None:  # not a mismatch: a damaged or missing file
+        if found is None and damaged(e):  # a file missing, cut short or garbled
             raise unreadable(Path(path), e) from None
+        if found is None:  # anything else (out of memory, a collective's failure): as it is
+            raise
         raise ConfigError(f"{path}: the checkpoint does not fit this run's model ({found.group(0).rstrip('.')}); "
                           f"resume with the {shaped_by} settings of the run that wrote it") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
@@ -246,7 +249,20 @@ def read_checkpoint_file(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=False)
     except Exception as e:
+        if not damaged(e):  # a pickled class this code no longer has, out of memory: not the file's fault
+            raise
         raise unreadable(path, e) from None
+
+
+def damaged(error: BaseException) -> bool:
+    """Whether reading a checkpoint failed on the file itself: missing, cut short or garbled (for
+    dcp, any rank's failure was)."""
+    failures = getattr(error, "failures", None)  # dcp's CheckpointException: each rank's (error, traceback)
+    causes = [f[0] for f in failures.values() if isinstance(f, tuple)] if isinstance(failures, dict) else [error]
+    return any(isinstance(cause, (OSError, EOFError, pickle.UnpicklingError))
+               or isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause)  # not a zip archive
+               or isinstance(cause, AssertionError) and "metadata" in str(cause)  # dcp's .metadata missing
+               for cause in causes)
 
 
 def unreadable(path: Path, error: BaseException) -> ConfigError:

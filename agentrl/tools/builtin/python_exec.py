@@ -53,7 +53,8 @@ class PythonTool:
                 "description": (
                     "Run a Python 3 program and return its exit status, stdout and stderr. Print what you "
                     "need to see. Each call starts fresh (no state is kept), "
-                    f"{'without network access, ' if self.isolation == 'bwrap' else ''}with at most {cpu_s:g} s of CPU time, {timeout_s:g} s of wall time, {memory_mb} MB "
+                    f"{'without network access, ' if self.isolation == 'bwrap' else ''}"
+                    f"with at most {cpu_s:g} s of CPU time, {timeout_s:g} s of wall time, {memory_mb} MB "
                     f"of memory and {max_output_bytes} bytes of output."),
                 "parameters": {
                     "type": "object",
