@@ -491,3 +491,35 @@ def test_check_answer_takes_the_number_models_often_send_as_a_number():
     tool = CheckAnswer()
     assert argument_problem(tool, {"answer": 18}) is None and argument_problem(tool, {"answer": "18"}) is None
     assert argument_problem(tool, {"answer": [18]}) == "bad arguments for check_answer: [18] is not of type 'string', 'number'."
+
+
+def test_a_wrong_whole_number_is_never_right_however_large_the_answer():
+    """The tolerance was relative (1e-6 of the truth): 1,450,001 scored as 1,450,000, in the
+    reward, in check_answer's reply and in the interaction's score."""
+    task = Task(id="t", prompt="?", answer="#### 1450000")
+    reply = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    assert [gsm8k_reward(task, reply(f"The answer is {n}.")) for n in ("1,450,000", "1450001", "1,449,999")] == \
+        [1.0, 0.0, 0.0]
+    assert gsm8k_reward(Task(id="t", prompt="?", answer="#### 2.5"), reply("It is 2.5000001.")) == 1.0  # rounding
+
+    async def check(answer) -> str:
+        tool = CheckAnswer(max_attempts=3)
+        await tool.create("e/check_answer", ground_truth="1450000")
+        return (await tool.execute("e/check_answer", {"answer": answer})).text
+
+    assert asyncio.run(check(1450001)).startswith("Incorrect.") and asyncio.run(check("1,450,000")) == "Correct."
+    interaction = GSM8KInteraction(max_attempts=1)
+    asyncio.run(interaction.start(task))
+    assert asyncio.run(interaction.respond(reply("1450001"))).score == 0.0
+
+
+def test_an_integer_too_large_for_a_float_is_no_answer():
+    """JSON lets a 400-digit integer through: check_answer failed with an OverflowError."""
+    assert parse_number(10**400) is None and parse_number(float("inf")) is None and parse_number(7) == 7.0
+
+    async def check() -> str:
+        tool = CheckAnswer()
+        await tool.create("e/check_answer", ground_truth="18")
+        return (await tool.execute("e/check_answer", {"answer": 10**400})).text
+
+    assert asyncio.run(check()) == "Error: the answer must contain a number."

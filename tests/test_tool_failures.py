@@ -108,6 +108,20 @@ def test_output_of_long_tokens_is_cut_at_the_budget_not_before(tokenizer):
     assert renderer.truncate(text, 10) == (text, False)
 
 
+def test_a_cut_through_a_character_keeps_it_whole_or_leaves_it_out(tokenizer):
+    """Byte-level tokens split an emoji or a CJK character; a cut between them decoded to U+FFFD,
+    a character the tool never wrote."""
+    from agentrl.rollout.chat import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, [])
+    for text in ("🎉🚀👍" * 300, "数学问题的答案是七十二。" * 200):
+        for budget in (5, 6, 7, 8, 31, 32):
+            cut, was_cut = renderer.truncate(text, budget)
+            body = cut.removesuffix(f"\n[output truncated to {budget} tokens]")
+            assert was_cut and text.startswith(body) and "\ufffd" not in body, (text[:3], budget, body)
+            assert budget - 3 <= len(tokenizer(body, add_special_tokens=False)["input_ids"]) <= budget
+
+
 def test_special_token_text_counts_against_the_budget_as_the_tokens_it_is_kept_as(tokenizer):
     """`<|im_end|>` in a tool's output stays text, 7 tokens of it, not the 1 control token a
     plain encode() counts: the cut must count the same way, or the output runs 7x over budget."""

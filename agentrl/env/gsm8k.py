@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentrl.env.interaction import Turn
-from agentrl.tools.builtin.gsm8k import checked_tolerance, ground_truth_number, parse_number
+from agentrl.tools.builtin.gsm8k import answer_matches, checked_tolerance, ground_truth_number, parse_number
 from agentrl.types import Task
 
 
@@ -28,8 +28,8 @@ class GSM8KInteraction:
         self._attempts += 1
         last = next((m for m in reversed(messages) if m["role"] == "assistant"), {"content": ""})
         submitted = parse_number(last.get("content") or "")
-        if self._truth is not None and submitted is not None and \
-                abs(submitted - self._truth) <= self.tolerance * max(1.0, abs(self._truth)):
+        if self._truth is not None and submitted is not None and answer_matches(submitted, self._truth,
+                                                                                self.tolerance):
             return Turn("Your answer is correct.", done=True, score=1.0)
         if self._attempts >= self.max_attempts:
             return Turn("Your answer is incorrect.", done=True, score=0.0)

@@ -6,7 +6,7 @@ import inspect
 from typing import Any, Callable
 
 from agentrl.errors import ConfigError
-from agentrl.tools.builtin.gsm8k import ground_truth_number, parse_number
+from agentrl.tools.builtin.gsm8k import answer_matches, ground_truth_number, parse_number
 from agentrl.tools.loader import resolve_reference
 from agentrl.tools.parsers import parse_hermes
 from agentrl.types import Task
@@ -48,7 +48,7 @@ def gsm8k_reward(task: Task, messages: list[dict[str, Any]]) -> float:
     submitted = parse_number(final_answer_text(messages))
     if truth is None or submitted is None:
         return 0.0
-    return 1.0 if abs(submitted - truth) <= 1e-6 * max(1.0, abs(truth)) else 0.0
+    return 1.0 if answer_matches(submitted, truth, 1e-6) else 0.0
 
 
 def load_reward_fn(ref: str | None) -> RewardFn | None:

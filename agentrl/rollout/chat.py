@@ -288,7 +288,13 @@ class ChatRenderer:
             size *= 2
         if len(ids) <= max_tokens:
             return text, False
-        kept = self.decode(ids[:max_tokens])
+        cut = max_tokens
+        kept = self.decode(ids[:cut])
+        # A byte-level token may hold part of a character (an emoji, a CJK character): cut there,
+        # it decodes to U+FFFD, which the text did not have. Up to 3 tokens back keeps it whole.
+        while kept.endswith("\ufffd") and cut > max(0, max_tokens - 3) and not head.startswith(kept):
+            cut -= 1
+            kept = self.decode(ids[:cut])
         return f"{kept}\n[{what} truncated to {max_tokens} tokens]", True
 
 

@@ -50,7 +50,11 @@ def parse_number(text: str | float | int | None) -> float | None:
     if text is None:
         return None
     if isinstance(text, (int, float)):
-        return float(text)
+        try:
+            number = float(text)
+        except OverflowError:  # an integer of 400 digits (JSON allows it): not an answer, as '1e400' is not
+            return None
+        return number if math.isfinite(number) else None
     numbers = [float(((m["sign"] or "") + m["body"]).replace(",", "").replace("\u2212", "-"))
                for m in _CANDIDATE_RE.finditer(str(text).replace("$", "")) if _WELL_FORMED_RE.fullmatch(m["body"])]
     numbers = [n for n in numbers if math.isfinite(n)]  # '1e400' overflows: not an answer
@@ -60,6 +64,16 @@ def parse_number(text: str | float | int | None) -> float | None:
 def ground_truth_number(answer: str) -> float | None:
     """GSM8K answers end with '#### <number>'; plain numbers are accepted too."""
     return parse_number(answer.split("####")[-1])
+
+
+def answer_matches(submitted: float, truth: float, tolerance: float) -> bool:
+    """Whether `submitted` is `truth` within the relative `tolerance` (of max(1, |truth|)), which
+    is for rounding; a whole-number truth is never matched by another whole number (at 1e-6, a
+    truth of 1,450,000 took 1,450,001 for right)."""
+    allowed = tolerance * max(1.0, abs(truth))
+    if truth == int(truth):
+        allowed = min(allowed, 0.5 - 1e-9)
+    return abs(submitted - truth) <= allowed
 
 
 def checked_tolerance(tolerance: float) -> float:
@@ -116,7 +130,7 @@ class CheckAnswer:
         if submitted is None:  # reveals nothing, so it uses up no submission
             return ToolResult("Error: the answer must contain a number.")
         self._attempts[instance_id] = attempts + 1
-        correct = abs(submitted - truth) <= self.tolerance * max(1.0, abs(truth))
+        correct = answer_matches(submitted, truth, self.tolerance)
         left = self.max_attempts - attempts - 1
         if correct:
             text = "Correct."
