@@ -60,7 +60,10 @@ def test_check_answer_step_and_final_rewards(tokenizer):
 
 
 @pytest.mark.parametrize("text,value", [("The answer is 1,234.5.", 1234.5), ("$-7", -7.0), ("none", None),
-                                        ("12 apples and 30 pears", 30.0)])
+                                        ("12 apples and 30 pears", 30.0),
+                                        # LaTeX's thousands separators used to read as 200
+                                        ("\\boxed{1{,}200}", 1200.0), ("$1\\,200$", 1200.0),
+                                        ("$\\$1{,}234{,}567.5$", 1234567.5)])
 def test_parse_number(text, value):
     assert parse_number(text) == value
 

@@ -40,12 +40,13 @@ _WELL_FORMED_RE = re.compile(r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:
 def parse_number(text: str | float | int | None) -> float | None:
     """The last number in `text`, or None.
 
-    Tolerated: '$', thousands separators ('1,234,567'), a leading-dot decimal ('.5'), a sign at the
-    start of a word ('-3', '$-7', '−3'), trailing punctuation ('18.', '18,'), an exponent ('1e6',
-    '2.5E-3'). Digits joined by hyphens, ill-grouped commas or several dots are not a number: a
-    range ('3-4', '10-12', '1e3-1e4'), a date ('2023-10-05'), a subtraction ('5-1'), a list
-    ('3,4,5') or a version ('1.2.3') is skipped, so the number before it counts ('Answer: 12 (ages 10-12)' is 12;
-    'Answer: 3-4' has none). Prose punctuation right before a number does not hide it ('So,18', 'Wait...18').
+    Tolerated: '$', thousands separators ('1,234,567', LaTeX's '1{,}234' and '1\\,234'), a
+    leading-dot decimal ('.5'), a sign at the start of a word ('-3', '$-7', '−3'), trailing
+    punctuation ('18.', '18,'), an exponent ('1e6', '2.5E-3'). Digits joined by hyphens,
+    ill-grouped commas or several dots are not a number: a range ('3-4', '10-12', '1e3-1e4'), a
+    date ('2023-10-05'), a subtraction ('5-1'), a list ('3,4,5') or a version ('1.2.3') is skipped,
+    so the number before it counts ('Answer: 12 (ages 10-12)' is 12; 'Answer: 3-4' has none).
+    Prose punctuation right before a number does not hide it ('So,18', 'Wait...18').
     """
     if text is None:
         return None
@@ -56,9 +57,14 @@ def parse_number(text: str | float | int | None) -> float | None:
             return None
         return number if math.isfinite(number) else None
     numbers = [float(((m["sign"] or "") + m["body"]).replace(",", "").replace("\u2212", "-"))
-               for m in _CANDIDATE_RE.finditer(str(text).replace("$", "")) if _WELL_FORMED_RE.fullmatch(m["body"])]
+               for m in _CANDIDATE_RE.finditer(_plain(str(text))) if _WELL_FORMED_RE.fullmatch(m["body"])]
     numbers = [n for n in numbers if math.isfinite(n)]  # '1e400' overflows: not an answer
     return numbers[-1] if numbers else None
+
+
+def _plain(text: str) -> str:
+    """Text without '$', its LaTeX thousands separators ('1{,}200', '1\\,200') made commas."""
+    return text.replace("$", "").replace("{,}", ",").replace("\\,", ",")
 
 
 def ground_truth_number(answer: str) -> float | None:
