@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import pickle
 import re
 import shutil
 import signal
 import sys
 import tarfile
+import threading
 import types
 from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -31,7 +34,8 @@ from agentrl.rollout.run import build_engine
 from agentrl.rollout.sglang_engine import ReleasedRegions, SGLangEngine
 from agentrl.rollout.sglang_server import SGLangServerEngine
 from agentrl.train import train
-from tests.test_sglang_contract import SOURCE, FakeServer
+from tests.conftest import free_port
+from tests.test_sglang_contract import SERVER_INFO, SOURCE, FakeServer
 
 SERVER_WARNING = ("agentrl: warning: the SGLang server at {url} (engine.sglang.url) runs without "
                   "--enable-memory-saver, so it keeps its GPU memory while the trainer runs; if it shares GPUs "
@@ -532,3 +536,51 @@ def test_sglang_calls_the_handler_it_is_given_for_sigquit():
     assert re.search(r"def launch_phase_sigquit_handler\(signum, frame\):.*?kill_process_tree\(os\.getpid\(\)\)",
                      engine, re.S)  # the default it replaces
     assert "parent_process.send_signal(signal.SIGQUIT)" in sglang_source("managers/scheduler.py")
+
+
+class StandInSGLang(BaseHTTPRequestHandler):
+    """A stand-in for SGLang's HTTP server (a real one cannot start in this test's time): its
+    health and server info as SGLang answers them, and a /flush_cache that answers 503. Real HTTP
+    on loopback, so that httpx's own routing (proxies, credentials) is what is tested."""
+
+    def do_GET(self) -> None:
+        self.reply(200, SERVER_INFO if self.path == "/server_info" else {})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.reply(503 if self.path.split("?")[0] == "/flush_cache" else 200, {"detail": "busy"})
+
+    def reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_loopback_server_is_reached_past_the_environments_proxy_and_its_credentials_are_not_shown(monkeypatch):
+    """HTTP_PROXY with NO_PROXY=localhost (127.0.0.1 is not 'localhost' to httpx) sent every
+    request to the proxy: a healthy server was never reached. And a URL's password was printed in
+    every error."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), StandInSGLang)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    dead_proxy = f"http://127.0.0.1:{free_port()}"  # nothing listens: a request sent there fails
+    for key in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(key, dead_proxy)
+    for key in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(key, "localhost")
+    port = httpd.server_address[1]
+    try:
+        engine = SGLangServerEngine(f"http://trainer:s3cr3t@127.0.0.1:{port}", {})  # health and info: reached
+        with pytest.raises(RuntimeError) as failed:
+            engine.flush_cache()
+        engine.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert str(failed.value).startswith(f"SGLang server at http://127.0.0.1:{port}: POST /flush_cache failed (HTTP 503")
+    assert "s3cr3t" not in str(failed.value)

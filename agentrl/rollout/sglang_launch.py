@@ -54,7 +54,9 @@ def launch_server(args: dict[str, Any], timeout_s: float) -> tuple[subprocess.Po
     atexit.register(stop_server, process)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=10.0) as client:
+    # trust_env off: an HTTP_PROXY from the environment would take loopback requests to the proxy
+    # (NO_PROXY=localhost does not cover 127.0.0.1), and the healthy server was never reached
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"SGLang server for {url} exited with code {process.returncode} while starting; "
@@ -85,5 +87,8 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def log_tail(path: str, lines: int = 5) -> str:
-    with open(path, errors="replace") as f:
-        return " | ".join(line.strip() for line in f.readlines()[-lines:] if line.strip())
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(line.strip() for line in f.readlines()[-lines:] if line.strip())
+    except OSError as e:  # removed meanwhile (a temp-dir clean-up): the failure it was to explain stands
+        return f"(the log cannot be read: {e.strerror})"

@@ -51,6 +51,7 @@ from safetensors.torch import save_file
 from agentrl.rollout.sglang_engine import (IDLE_TIMEOUT_S, ReleasedRegions, check_score_args, empty_torch_cache,
                                            prompt_logprobs, sampling_dict, to_completion, weight_buckets)
 from agentrl.rollout.sglang_launch import launch_server, log_tail, stop_server
+from agentrl.tools.loader import url_shown
 from agentrl.types import Completion, SamplingParams
 
 T = TypeVar("T")
@@ -137,6 +138,10 @@ class SGLangServerEngine:
         if url is None:
             self.process, url, self.log_path = launch_server(args, timeout_s)
         self.url = url.rstrip("/")
+        self.shown = url_shown(self.url)  # what messages show: no password or query string
+        # A loopback server is never reached through a proxy of the environment's (HTTP_PROXY with
+        # NO_PROXY=localhost sends 127.0.0.1 to the proxy); a remote one may need it.
+        self._trust_env = urlparse(self.url).hostname not in LOOPBACK
         self.tp_size = int(args.get("tp_size", 1))
         self.update_bucket_bytes = update_bucket_bytes
         self.timeout_s = timeout_s
@@ -145,7 +150,7 @@ class SGLangServerEngine:
         self.weight_version = 0
         self.stats = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._regions = ReleasedRegions()
-        self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._client = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=self._trust_env)
         self._clients: dict[asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, AsyncIterator[None]]] = {}
         self._clients_lock = threading.Lock()  # loops in several threads may ask for theirs (_async_client)
         self._warned_no_saver = False
@@ -162,7 +167,7 @@ class SGLangServerEngine:
         self.tp_size = int(self.server_info.get("tp_size") or self.tp_size)
 
     def _failure(self, route: str, cause: str) -> RuntimeError:
-        where = f"SGLang server at {self.url}: {route} failed ({cause})"
+        where = f"SGLang server at {self.shown}: {route} failed ({cause})"
         if self.process is not None and self.process.poll() is not None:
             where += f"; the server exited with code {self.process.returncode}, log {self.log_path}: " \
                      f"{log_tail(self.log_path)}"
@@ -213,7 +218,7 @@ class SGLangServerEngine:
         else:
             cause = "its answer is not a JSON object"
         if not isinstance(info, dict):
-            print(f"agentrl: warning: SGLang server at {self.url}: {route} failed ({cause}); the checks of its "
+            print(f"agentrl: warning: SGLang server at {self.shown}: {route} failed ({cause}); the checks of its "
                   "prompt limit and memory saver are skipped", file=sys.stderr)
             return {}
         return info
@@ -231,7 +236,8 @@ class SGLangServerEngine:
             fresh = entry is None
             if fresh:
                 limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-                client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits)
+                client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits,
+                                           trust_env=self._trust_env)
                 entry = self._clients[loop] = (client, _closed_at_loop_end(client))
         if fresh:  # no await before this: no other request of this loop sees the client unstarted
             await anext(entry[1])  # the running loop now holds it among its async generators
@@ -359,7 +365,7 @@ class SGLangServerEngine:
             # server given by URL may well run on GPUs of its own, where nothing needs releasing.
             self._warned_no_saver = True
             key = "engine.sglang.url" if self.process is None else "engine.sglang.extra_args.enable_memory_saver"
-            print(f"agentrl: warning: the SGLang server at {self.url} ({key}) runs without --enable-memory-saver, "
+            print(f"agentrl: warning: the SGLang server at {self.shown} ({key}) runs without --enable-memory-saver, "
                   "so it keeps its GPU memory while the trainer runs; if it shares GPUs with the trainer, start "
                   "it with --enable-memory-saver", file=sys.stderr)
         if regions:  # not retried: SGLang refuses to release a region twice
