@@ -5,8 +5,10 @@ The tiny model has SmolLM2's vocabulary so every token id in a test is a real on
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
+from http.server import BaseHTTPRequestHandler
 
 from tests import loopback_guard  # first: libraries imported below read the environment it sets
 
@@ -157,3 +159,18 @@ def stop_process(process: subprocess.Popen) -> None:
     """Terminate a server the test started and wait for it."""
     process.terminate()
     process.wait(10)
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """A stand-in HTTP server's handler that answers JSON and logs nothing."""
+
+    def reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass

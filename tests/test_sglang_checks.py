@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import pickle
 import re
 import shutil
@@ -20,7 +19,7 @@ import tarfile
 import threading
 import types
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -34,7 +33,7 @@ from agentrl.rollout.run import build_engine
 from agentrl.rollout.sglang_engine import ReleasedRegions, SGLangEngine
 from agentrl.rollout.sglang_server import SGLangServerEngine
 from agentrl.train import train
-from tests.conftest import free_port
+from tests.conftest import JSONHandler, free_port
 from tests.test_sglang_contract import SERVER_INFO, SOURCE, FakeServer
 
 SERVER_WARNING = ("agentrl: warning: the SGLang server at {url} (engine.sglang.url) runs without "
@@ -538,7 +537,7 @@ def test_sglang_calls_the_handler_it_is_given_for_sigquit():
     assert "parent_process.send_signal(signal.SIGQUIT)" in sglang_source("managers/scheduler.py")
 
 
-class StandInSGLang(BaseHTTPRequestHandler):
+class StandInSGLang(JSONHandler):
     """A stand-in for SGLang's HTTP server (a real one cannot start in this test's time): its
     health and server info as SGLang answers them, and a /flush_cache that answers 503. Real HTTP
     on loopback, so that httpx's own routing (proxies, credentials) is what is tested."""
@@ -549,17 +548,6 @@ class StandInSGLang(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.reply(503 if self.path.split("?")[0] == "/flush_cache" else 200, {"detail": "busy"})
-
-    def reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 def test_a_loopback_server_is_reached_past_the_environments_proxy_and_its_credentials_are_not_shown(monkeypatch):

@@ -31,7 +31,7 @@ from agentrl.tools.parsers import ParsedTurn, parse_hermes
 from agentrl.tools.remote import RemoteTool, RemoteToolError, RemoteTools
 from agentrl.tools.server import ServerSettings, create_app
 from agentrl.types import Task, ToolCall
-from tests.conftest import ScriptedEngine, free_port, stop_process
+from tests.conftest import JSONHandler, ScriptedEngine, free_port, stop_process
 
 TOKEN = "test-token-5f1c"
 TOOLS_YAML = """\
@@ -314,7 +314,7 @@ def test_named_creates_run_once_and_creates_in_flight_count_against_the_cap(tmp_
         stop_process(proc)
 
 
-class FlakyHandler(BaseHTTPRequestHandler):
+class FlakyHandler(JSONHandler):
     """A stand-in HTTP server answering 503 to every other create, to show the client's retry on 5xx.
 
     `agentrl tools serve` answers 5xx only when it fails itself (or a proxy in front of it does),
@@ -332,17 +332,6 @@ class FlakyHandler(BaseHTTPRequestHandler):
         FlakyHandler.creates += 1
         self.reply(503, {"detail": "busy"}) if FlakyHandler.creates % 2 else self.reply(
             200, {"instance_id": "abc", "error": None})
-
-    def reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 def test_client_retries_5xx_and_connection_failures_with_backoff():
