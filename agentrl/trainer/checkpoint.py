@@ -254,15 +254,20 @@ def read_checkpoint_file(path: Path) -> Any:
         raise unreadable(path, e) from None
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+    """The errors behind a failed read: each rank's for dcp's CheckpointException, else the error."""
+    failures = getattr(error, "failures", None)  # {rank: (error, traceback)}
+    causes = [f[0] for f in failures.values() if isinstance(f, tuple)] if isinstance(failures, dict) else []
+    return causes or [error]
+
+
 def damaged(error: BaseException) -> bool:
     """Whether reading a checkpoint failed on the file itself: missing, cut short or garbled (for
     dcp, any rank's failure was)."""
-    failures = getattr(error, "failures", None)  # dcp's CheckpointException: each rank's (error, traceback)
-    causes = [f[0] for f in failures.values() if isinstance(f, tuple)] if isinstance(failures, dict) else [error]
     return any(isinstance(cause, (OSError, EOFError, pickle.UnpicklingError))
                or isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause)  # not a zip archive
                or isinstance(cause, AssertionError) and "metadata" in str(cause)  # dcp's .metadata missing
-               for cause in causes)
+               for cause in _causes(error))
 
 
 def unreadable(path: Path, error: BaseException) -> ConfigError:
@@ -271,9 +276,7 @@ def unreadable(path: Path, error: BaseException) -> ConfigError:
     into place only once complete); a disk fault or a partial copy does, and every resume would
     meet it, as trainer.resume 'auto' takes the newest checkpoint."""
     step = next((p for p in (path, *path.parents) if _STEP_DIR.match(p.name)), path)
-    failures = getattr(error, "failures", None)  # dcp's CheckpointException: each rank's (error, traceback)
-    if isinstance(failures, dict) and failures and isinstance(first := next(iter(failures.values())), tuple):
-        error = first[0]
+    error = _causes(error)[0]
     reason = (str(error).strip().splitlines() or [""])[0][:300]
     return ConfigError(f"{path}: cannot read this checkpoint ({type(error).__name__}{': ' + reason if reason else ''})"
                        f"; if it is damaged, delete {step} to resume from the checkpoint before it")
