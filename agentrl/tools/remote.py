@@ -18,11 +18,11 @@ come after the tool ran, and running it twice could repeat its effect (a payment
 written). A 4xx (or a 3xx: redirects are not followed), a tool error, retries running out, an
 answer that is not the JSON object the server's API defines, or one longer than `max_response_mb`
 (read no further, and asked for uncompressed: a runaway tool's output costs no memory beyond the
-cap, unless a proxy compresses all the same) raise RemoteToolError, which ToolEnv turns into an error message for the model. The client
-names each instance it creates, so a create is retried like any repeatable call, and one that
-got no answer or was cancelled (ToolEnv's timeout) is released anyway: the server may have made
-it after all. A release sent again that finds its instance unknown (404) succeeded: an attempt
-before it got there.
+cap, unless a proxy compresses all the same) raise RemoteToolError, which ToolEnv turns into an
+error message for the model. The client names each instance it creates, so a create is retried
+like any repeatable call, and one that got no answer or was cancelled (ToolEnv's timeout) is
+released anyway: the server may have made it after all. A release sent again that finds its
+instance unknown (404) succeeded: an attempt before it got there.
 
 The constructor only checks its arguments; the connection opens at the first `tools()` (which the
 loader calls while it loads the file), so the loader's own checks of the entry, a `schema` key it

@@ -20,7 +20,8 @@ from agentrl.errors import ConfigError
 from agentrl.models import enable_activation_checkpointing, load_model
 from agentrl.hardware import choose_dtype
 from agentrl.rollout.worker import LocalSink, RolloutWorker
-from agentrl.trainer.checkpoint import RECIPE, TRAINER_STATE, commit_checkpoint, read_checkpoint_file, staging_checkpoint
+from agentrl.trainer.checkpoint import (RECIPE, TRAINER_STATE, commit_checkpoint, read_checkpoint_file,
+                                        staging_checkpoint)
 from agentrl.trainer.critic import CriticWorker, ValueModel
 from agentrl.trainer.distributed import Ranks
 from agentrl.trainer.logprobs import check_logit_head
