@@ -218,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
     args.own_command_line = argv is None  # sys.argv: the command may be re-executed as typed
     Terminated.latest = None  # a signal of an earlier main() in this process says nothing of this one
-    # Without this, atexit and finally blocks never run. Not for the servers: uvicorn handles its signals.
-    for signum in (signal.SIGTERM, signal.SIGHUP) if args.func is _recipe_command else ():
+    # Without this, atexit and finally blocks never run. `serve` too: uvicorn shuts down gracefully
+    # on SIGTERM, then puts back the handler it found and raises the signal again, which by default
+    # ended the process before its engine closed (a launched SGLang server stayed up). Not for
+    # `tools serve`: it must exit then even while a tool's call that ignores cancellation still runs.
+    for signum in (signal.SIGTERM, signal.SIGHUP) if args.func in (_recipe_command, _serve) else ():
         if signal.getsignal(signum) == signal.SIG_DFL:
             signal.signal(signum, _terminate)
     try:

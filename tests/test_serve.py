@@ -547,7 +547,11 @@ def test_agent_configuration_errors(tmp_path):
                           interaction_config="tool_configs/gsm8k_interaction.yaml"))
 
 
-def test_agentrl_serve_subprocess_answers_the_openai_client(tiny_model_dir):
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_agentrl_serve_subprocess_answers_the_openai_client(tiny_model_dir, stop_signal):
+    """Stopped by Ctrl-C, a supervisor's SIGTERM or a closed terminal's SIGHUP, the server closes its
+    engine and says so. On SIGTERM uvicorn raised the signal again once it had shut down, and the
+    default handler ended the process there: the engine (a launched SGLang server) was never closed."""
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl.cli", "serve", "recipes/rollout_cpu.yaml", f"model.path={tiny_model_dir}",
@@ -568,7 +572,7 @@ def test_agentrl_serve_subprocess_answers_the_openai_client(tiny_model_dir):
         record = httpx.get(match.group(1).removesuffix("/v1") + "/agentrl/sessions/s1").json()
         assert sum(record["segments"][0]["loss_mask"]) == n
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop_signal))
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr[-2000:]
     assert "agentrl serve: stopped" in stderr and "Traceback" not in stderr

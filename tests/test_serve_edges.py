@@ -500,3 +500,20 @@ def test_an_endpoint_that_does_not_start_in_time_stops_and_gives_its_port_back()
         server.start(timeout_s=0)
     assert not server._thread.is_alive()
     socket.create_server(("127.0.0.1", server.port)).close()  # free again: nothing listens there
+
+
+def test_an_endpoint_listens_on_an_ipv6_address():
+    """`agentrl serve --host ::1` failed with 'Address family for hostname not supported': the
+    socket was always IPv4, though the printed URL already brackets an IPv6 host."""
+    import httpx
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.get("/v1/ping")(lambda: {"pong": True})
+    server = BackgroundServer(app, host="::1")
+    server.start()
+    try:
+        assert server.base_url == f"http://[::1]:{server.port}/v1"
+        assert httpx.get(server.base_url + "/ping", trust_env=False).json() == {"pong": True}
+    finally:
+        server.stop()

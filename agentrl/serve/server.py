@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import signal
 import socket
 import sys
 import threading
@@ -46,8 +47,11 @@ def serve_settings(settings: EpisodeSettings, model_name: str, for_training: boo
 
 
 def bind(host: str, port: int) -> socket.socket:
+    """A listening socket; an IPv6 address (`::1`, `::`) gets an IPv6 socket, which
+    `create_server` does not choose by itself."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host, port))
+        return socket.create_server((host, port), family=family)
     except OSError as e:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
 
@@ -119,10 +123,15 @@ def run_serve(config: RecipeConfig, host: str, port: int) -> None:
     bound_host, bound_port = sock.getsockname()[:2]
     print(f"agentrl serve: {config.model.path} on {url(bound_host, bound_port)} "
           f"(sessions: header X-Agentrl-Session or the 'user' field)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="info"))
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM only; a closed terminal's SIGHUP gets the
+    # same shutdown (raised as an exception on the loop, it cancelled uvicorn mid-step).
+    hangup = signal.signal(signal.SIGHUP, server.handle_exit)
     try:
-        uvicorn.Server(uvicorn.Config(create_app(service), log_level="info")).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C it caught
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C or SIGTERM it caught
         pass
     finally:
+        signal.signal(signal.SIGHUP, hangup)
         close_quietly("the engine", engine.close)
     print("agentrl serve: stopped", file=sys.stderr)
