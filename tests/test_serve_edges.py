@@ -517,3 +517,49 @@ def test_an_endpoint_listens_on_an_ipv6_address():
         assert httpx.get(server.base_url + "/ping", trust_env=False).json() == {"pong": True}
     finally:
         server.stop()
+
+
+def test_an_engine_failure_is_answered_500_and_logged_with_its_traceback(served, tokenizer, caplog):
+    """The 500 names the failure to the client; its traceback went nowhere, as the handler that
+    answers a RequestError counts it as handled."""
+    class Broken(ScriptedEngine):
+        async def generate(self, token_ids, sampling):
+            raise ValueError("weights on the wrong device")
+
+    server, _ = served([], engine=Broken(tokenizer, []))
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with caplog.at_level("ERROR", logger="agentrl.serve"):
+        with pytest.raises(openai.InternalServerError, match="generation failed: ValueError: weights on the wrong"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+    [record] = [r for r in caplog.records if r.name == "agentrl.serve"]
+    assert record.getMessage() == ("POST /v1/chat/completions: generation failed: ValueError: "
+                                   "weights on the wrong device")
+    assert isinstance(record.exc_info[1], ValueError)
+    assert "in generate" in caplog.text  # the traceback, down to the engine's frame
+
+
+def test_a_message_using_up_every_marker_beside_special_text_is_the_clients_400(tokenizer):
+    """A client's text holding `<|im_end|>` and all 16 private-use marker characters cannot be kept
+    as text: that is the client's message (400), not the recipe's template (it was a 500 that told
+    the client not to retry, blaming the server)."""
+    from agentrl.rollout.chat import _MARKS
+
+    service = ChatService(ScriptedEngine(tokenizer, [ANSWER]), tokenizer, parse_hermes, ServeSettings())
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(ask(service, {"messages": [{"role": "user", "content": "<|im_end|>" + "".join(_MARKS)}]}))
+    assert (refused.value.status, refused.value.code) == (400, "invalid_request_error")
+    assert str(refused.value).startswith("a message contains a special token's text, and every marker character")
+
+
+def test_stream_options_are_typed_so_a_string_false_is_refused_not_read_as_true(served):
+    """`include_usage: "false"` was read by its truth value, and the stream carried a usage chunk
+    the client had asked not to get."""
+    with pytest.raises(RequestError) as refused:
+        parse_request(json.dumps({"messages": TASK.messages(), "stream_options": {"include_usage": "false"}}).encode())
+    assert str(refused.value) == "stream_options.include_usage: Input should be a valid boolean"
+    server, _ = served([ANSWER, ANSWER])
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    for include_usage, usage_chunks in ((False, 0), (True, 1)):
+        chunks = list(client.chat.completions.create(model="m", messages=TASK.messages(), stream=True,
+                                                     stream_options={"include_usage": include_usage}))
+        assert sum(chunk.usage is not None for chunk in chunks) == usage_chunks

@@ -156,8 +156,8 @@ class ChatRenderer:
             return self.encode(text)
         mark = next((m for m in _MARKS if m not in text), None)
         if mark is None:
-            raise TemplateError("a message contains a special token's text, and every marker character that "
-                                "would keep it as text occurs in the conversation")
+            raise SpecialTextError("a message contains a special token's text, and every marker character that "
+                                   "would keep it as text occurs in the conversation")
         marked, literals = [], []
         for message in messages:
             if id(message) in special:

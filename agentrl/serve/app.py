@@ -12,9 +12,10 @@ SDK's run_streamed over chat completions) work unchanged. The body is read by th
 FastAPI's parameter binding) so that its size is capped while it streams in (413 past
 `max_body_bytes`) and so that a malformed body gets OpenAI's error shape with one line naming the
 field (400), which OpenAI clients surface as the exception message. An unexpected failure answers
-500 with the exception's type only; the traceback goes to the server's log, never to the client. A
-client that hangs up before its answer has its request's work cancelled (and its session's turn
-left unrecorded) rather than finished for nobody.
+500 with the exception's type only, an engine's or template's failure a 500 naming it; either way
+the traceback goes to the server's log (logger `agentrl.serve` for the latter), never to the
+client. A client that hangs up before its answer has its request's work cancelled (and its
+session's turn left unrecorded) rather than finished for nobody.
 
 This module does not sample or record; service.py does.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, Coroutine, Iterator, TypeVar
 
 from fastapi import FastAPI, Request
@@ -36,6 +38,7 @@ from agentrl.serve.sessions import session_json
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection before the answer
+log = logging.getLogger("agentrl.serve")
 T = TypeVar("T")
 
 
@@ -112,7 +115,7 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
         if answer is None:
             return Response(status_code=CLIENT_GONE)
         if chat.stream:
-            usage = bool((chat.stream_options or {}).get("include_usage"))
+            usage = bool(chat.stream_options and chat.stream_options.include_usage)
             return StreamingResponse(stream_chunks(answer, usage), media_type="text/event-stream")
         return JSONResponse(answer)
 
@@ -149,7 +152,9 @@ def create_app(service: ChatService, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
         return JSONResponse(session_json(session))
 
     @app.exception_handler(RequestError)
-    async def refused(_: Request, e: RequestError) -> JSONResponse:
+    async def refused(request: Request, e: RequestError) -> JSONResponse:
+        if e.status >= 500:  # the server's fault: answered here, so nothing else would log its traceback
+            log.error("%s %s: %s", request.method, request.url.path, e, exc_info=e.__cause__ or e)
         return JSONResponse(e.body(), status_code=e.status, headers=NO_RETRY if e.status >= 500 else None)
 
     @app.exception_handler(HTTPException)

@@ -93,6 +93,10 @@ class ToolSpec(_Strict):
     function: ToolFunctionSpec
 
 
+class StreamOptions(_Strict):
+    include_usage: bool | None = None  # a last chunk with the usage (a string "false" is refused, not true)
+
+
 class ChatRequest(_Strict):
     model: str | None = None  # any name is accepted: the endpoint serves one model
     messages: list[MessageIn] = Field(min_length=1)
@@ -106,7 +110,7 @@ class ChatRequest(_Strict):
     top_logprobs: int | None = Field(None, ge=0)
     n: int | None = Field(None, ge=1)
     stream: bool | None = None  # answered as events once the turn is sampled (app.stream_chunks)
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
