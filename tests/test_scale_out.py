@@ -10,6 +10,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -438,3 +439,48 @@ def test_the_runs_own_ray_sends_nothing_beyond_loopback(env, ray_tmp, tmp_path):
     reached = addresses_reached(trace.read_text())
     assert "127.0.0.1" in reached  # the trace saw Ray's own connections
     assert {address for address in reached if not is_local(address)} == set()
+
+
+CLOSE_WHILE_COLLECTING = '''
+import sys, time
+from pathlib import Path
+import ray
+from agentrl.trainer.distributed import Ranks
+from agentrl.trainer.launch import RoleActor
+from agentrl.trainer.ray_cluster import start_local_ray
+
+closed = Path(sys.argv[1])
+
+class Collecting:
+    def collect(self):
+        time.sleep(120)
+
+    def close(self):
+        closed.write_text("closed")
+
+def make(config, pad_id, ranks):
+    return Collecting()
+
+start_local_ray([{"CPU": 1.0}])
+actor = RoleActor.options(max_concurrency=2).remote(1)  # as RayRoles starts them: a slot for the sentinel
+sentinel = actor.sentinel.remote()
+ray.get(actor.setup.remote(make, None, 0, Ranks(0, 1), "", False))
+collecting = actor.call.remote("collect")
+time.sleep(1.0)
+started = time.monotonic()
+ready, _ = ray.wait([actor.close.remote()], timeout=30)
+print(f"{'closed' if ready and closed.exists() else 'still waiting'} after {time.monotonic() - started:.0f} s")
+ray.kill(actor)
+ray.shutdown()
+'''
+
+
+def test_a_rollout_worker_closes_while_a_collect_still_runs(tmp_path, env, ray_tmp):
+    """A run stopped mid-rollout (a SIGTERM, another worker's failure) closes its rollout workers:
+    `close` queued behind the running `collect` until shutdown's 60 s ran out and it killed the
+    actor, so a launched SGLang server and the last sync's weight files were never removed."""
+    process = subprocess.run([sys.executable, "-c", CLOSE_WHILE_COLLECTING, str(tmp_path / "closed")],
+                             capture_output=True, text=True, env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert re.fullmatch(r"closed after \d+ s", process.stdout.splitlines()[-1]), process.stdout
+    assert (tmp_path / "closed").read_text() == "closed"

@@ -49,7 +49,10 @@ def make_rollout(config: RecipeConfig, pad_id: int, ranks: Ranks) -> RolloutWork
     return RolloutWorker(config, replica=ranks.rank)
 
 
-@ray.remote
+# `close` has a thread of its own: in the default group, behind the sentinel's slot, it waited for
+# a `collect` still running (a run stopped by a signal or a failure mid-rollout) until shutdown gave
+# up and killed the actor, and a launched SGLang server and the last sync's weight files stayed.
+@ray.remote(concurrency_groups={"close": 1})
 class RoleActor:
     """Hosts one worker: joins its role's process group, builds the worker, runs its methods."""
 
@@ -82,9 +85,11 @@ class RoleActor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
+    @ray.method(concurrency_group="close")
     def close(self) -> None:
-        """The worker's own close, where it has one (a rollout worker: its engine and tools). Ray's
-        kill runs no atexit hook and no finally block in the actor."""
+        """The worker's own close, where it has one (a rollout worker: its engine and tools), even
+        while a call still runs (the actor is killed next). Ray's kill runs no atexit hook and no
+        finally block in the actor."""
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()
