@@ -484,3 +484,95 @@ def test_a_rollout_worker_closes_while_a_collect_still_runs(tmp_path, env, ray_t
     assert process.returncode == 0, process.stderr[-3000:]
     assert re.fullmatch(r"closed after \d+ s", process.stdout.splitlines()[-1]), process.stdout
     assert (tmp_path / "closed").read_text() == "closed"
+
+
+RAISE_IN_A_WORKER = '''
+import ray
+from agentrl.errors import RunFailed
+from agentrl.trainer.ray_cluster import start_local_ray
+from agentrl.trainer.ray_groups import Supervisor
+
+@ray.remote
+def update_on_rank_1():
+    rows = {"loss": 1.0}
+    return rows["advantages"]
+
+@ray.remote
+def validate():
+    raise ValueError("2 problems in the batch\\n  advantages: missing\\n  For more, see the docs")
+
+start_local_ray([{"CPU": 1.0}])
+for task, what in ((update_on_rank_1, "update"), (validate, "validation")):
+    try:
+        Supervisor(600).wait([task.remote()], ["policy rank 1"], what)
+    except RunFailed as e:
+        print(e)
+ray.shutdown()
+'''
+
+
+def test_a_worker_exception_is_reported_whole_with_its_traceback(env, ray_tmp):
+    """The run's error kept only the last line of the worker's message (a multi-line message read
+    'For more, see the docs'), and the worker's frames were printed nowhere, so nothing said where
+    in the worker it failed."""
+    process = subprocess.run([sys.executable, "-c", RAISE_IN_A_WORKER], capture_output=True, text=True,
+                             env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.stdout.splitlines()[-2:] == [
+        "policy rank 1 failed during update: KeyError: 'advantages'",
+        "policy rank 1 failed during validation: ValueError: 2 problems in the batch advantages: missing For more, "
+        "see the docs"]
+    assert "agentrl: policy rank 1 raised during update:\n" in process.stderr
+    assert re.search(r'File "<string>", line 10, in update_on_rank_1\nKeyError', process.stderr), process.stderr
+
+
+PEER_DIES_IN_A_COLLECTIVE = '''
+import os, socket, time
+import ray
+from agentrl.errors import RunFailed
+from agentrl.trainer.ray_cluster import start_local_ray
+from agentrl.trainer.ray_groups import Supervisor
+
+@ray.remote(max_concurrency=2)
+class Rank:
+    def sentinel(self):
+        while True:
+            time.sleep(60)
+
+    def listen(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        return self.listener.getsockname()[1]
+
+    def update(self, port):
+        if port is not None:  # the rank that is OOM-killed mid-collective
+            peer = socket.create_connection(("127.0.0.1", port))
+            time.sleep(0.5)
+            os._exit(137)
+        connection, _ = self.listener.accept()
+        connection.recv(1)  # returns as the kernel closes the dead peer's socket, before Ray notices
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+start_local_ray([{"CPU": 2.0}])
+ranks = [Rank.remote(), Rank.remote()]
+supervisor = Supervisor(600)
+for i, rank in enumerate(ranks):
+    supervisor.watch(rank, f"policy rank {i}")
+port = ray.get(ranks[0].listen.remote())
+try:
+    supervisor.wait([ranks[0].update.remote(None), ranks[1].update.remote(port)],
+                    ["policy rank 0", "policy rank 1"], "update")
+except RunFailed as e:
+    print(e)
+ray.shutdown()
+'''
+
+
+def test_a_rank_that_dies_in_a_collective_is_named_not_the_peer_that_lost_it(env, ray_tmp):
+    """Rank 0's collective fails the moment rank 1's process dies, before Ray notices the death:
+    the run reported 'policy rank 0 failed during update: RuntimeError: ... Connection closed by
+    peer', sending the user after the healthy rank."""
+    process = subprocess.run([sys.executable, "-c", PEER_DIES_IN_A_COLLECTIVE], capture_output=True, text=True,
+                             env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    last = process.stdout.splitlines()[-1]
+    assert last.startswith("policy rank 1 failed during update: the process died"), last

@@ -2,12 +2,14 @@
 
 `Supervisor` waits for remote calls while watching every actor's sentinel, so a dead worker or a
 call that raises or outlasts `trainer.call_timeout_s` stops the run with the role, rank and cause
-(RunFailed); `WorkerGroup` puts a role's ranks behind the worker's own methods and merges their
-per-rank results; `RaySink` sends a weight sync to every engine replica.
+(RunFailed), after printing the worker's traceback when its call raised (as a run on the local
+backend shows it); `WorkerGroup` puts a role's ranks behind the worker's own methods and merges
+their per-rank results; `RaySink` sends a weight sync to every engine replica.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,9 @@ import ray
 
 from agentrl.errors import ConfigError, RunFailed
 
+# How long a failed call waits for a worker's death to be noticed before the failure is reported as
+# its own: Ray learns of a dead process within about a second.
+DEATH_NOTICE_S = 3.0
 RANK_INVARIANT = {"grad_norm", "critic_grad_norm", "skipped_step_fraction", "critic_skipped_step_fraction",
                   "lr"}  # equal on every rank: taken from rank 0
 
@@ -53,6 +58,8 @@ class Supervisor:
             ready, _ = ray.wait(pending + list(self.sentinels), num_returns=1,
                                 timeout=max(0.0, min(5.0, deadline - time.monotonic())))
             for ref in ready:
+                if ref not in self.sentinels:
+                    ref = self._death_behind(ref)
                 label = self.sentinels.get(ref) or owner[ref]
                 try:
                     ray.get(ref)
@@ -60,6 +67,8 @@ class Supervisor:
                     cause = getattr(e, "cause", None)
                     if isinstance(cause, ConfigError):  # the recipe's fault, as on the local backend (exit 2)
                         raise ConfigError(f"{label}: {cause}") from None
+                    if isinstance(e, ray.exceptions.RayTaskError):  # where in the worker: its frames
+                        print(f"agentrl: {label} raised during {what}:\n{e}", file=sys.stderr, flush=True)
                     raise RunFailed(f"{label} failed during {what}: {describe(e)}") from None
                 if ref in self.sentinels:
                     raise RunFailed(f"{label} stopped its watch during {what}")
@@ -70,10 +79,22 @@ class Supervisor:
         return ray.get(refs)
 
 
+    def _death_behind(self, ref: ray.ObjectRef) -> ray.ObjectRef:
+        """A dead worker's sentinel in place of a call that failed, when a worker died about then:
+        the ranks of a collective fail as soon as a peer dies ('Connection closed by peer'), before
+        Ray has noticed the death, and the run named a healthy rank as the one that failed."""
+        try:
+            ray.get(ref, timeout=0)
+            return ref  # it succeeded
+        except Exception:
+            dead, _ = ray.wait(list(self.sentinels), num_returns=1, timeout=DEATH_NOTICE_S)
+            return dead[0] if dead else ref
+
+
 def describe(error: Exception) -> str:
     """One line: the worker's own exception, or how its process died."""
     if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
-        return f"{type(error.cause).__name__}: {str(error.cause).strip().splitlines()[-1] if str(error.cause).strip() else ''}"
+        return f"{type(error.cause).__name__}: {' '.join(str(error.cause).split())[:300]}"  # one line, all of it
     if isinstance(error, ray.exceptions.ActorDiedError):
         text = " ".join(str(error).split())
         return "the process died (" + (text[text.find("Worker exit"):][:240] if "Worker exit" in text else text[:240]) + ")"
