@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -223,6 +224,22 @@ def test_eval_on_the_training_tasks_stops_before_the_model_loads(tmp_path, agent
     assert arithmetic_tasks(8, 10_000)[:3] == arithmetic_tasks(32, 10_000)[:3]  # one seed: one stream of tasks
     assert agentrl_in_process("eval", "recipes/quickstart.yaml", *overrides, f"model.path={tmp_path}/no-model",
                               f"output_dir={tmp_path}/out") == (2, f"agentrl: error: {message}")
+
+
+def test_eval_on_a_training_file_stops_before_the_model_loads(tmp_path, agentrl_in_process, monkeypatch):
+    """Held-out files were taken as given: eval.files naming a data.files file (here spelled
+    another way) measured accuracy on the training tasks."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.jsonl", "test.jsonl"):
+        (tmp_path / name).write_text('{"question": "What is 2 + 1?", "answer": "#### 3"}\n')
+    recipe = Path(__file__).parents[1] / "recipes/quickstart.yaml"
+    common = [f"model.path={tmp_path}/no-model", f"output_dir={tmp_path}/out", "data.source=files",
+              f"data.files=[{tmp_path}/train.jsonl]"]
+    assert agentrl_in_process("eval", str(recipe), *common, "eval.files=[test.jsonl, ./train.jsonl]") == (
+        2, "agentrl: error: eval.files: './train.jsonl' is also in data.files, so the held-out tasks would be "
+           "training tasks: evaluate on a file of its own")
+    config = load_recipe(str(recipe), [*common, "eval.files=[test.jsonl]"])
+    assert eval_recipe(config).data.files == ["test.jsonl"]
 
 
 def test_eval_of_other_seeds_or_digits_holds_other_tasks():

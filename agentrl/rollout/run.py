@@ -274,6 +274,11 @@ def eval_recipe(config: RecipeConfig) -> RecipeConfig:
     e = config.eval
     overrides = {"rollout": {**config.rollout.model_dump(), "temperature": e.temperature, "group_size": 1}}
     if e.files:
+        training = {os.path.realpath(f) for f in config.data.files} if config.data.source == "files" else set()
+        shared = next((f for f in e.files if os.path.realpath(f) in training), None)
+        if shared is not None:
+            raise ConfigError(f"eval.files: '{shared}' is also in data.files, so the held-out tasks would be training "
+                              "tasks: evaluate on a file of its own")
         overrides["data"] = {**config.data.model_dump(), "source": "files", "files": e.files, "num_tasks": e.num_tasks}
     elif config.data.source == "arithmetic":
         # Same seed and digits: the generator's stream, and so the first tasks, would be the training ones.
