@@ -249,10 +249,11 @@ def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answ
             raise ConfigError(f"{where}: '{answer_key}' is {answer}, not a finite number")
     if id_key:
         _required(row, id_key, where)
-    tool_kwargs = row.get("tool_kwargs") or {}
+    # Absent or null is none; any other value is checked ([] and "" were read as none as well).
+    tool_kwargs = {} if row.get("tool_kwargs") is None else row["tool_kwargs"]
     if not isinstance(tool_kwargs, dict) or not all(isinstance(v, dict) for v in tool_kwargs.values()):
         raise ConfigError(f"{where}: 'tool_kwargs' must map tool names to mappings of create() arguments")
-    interaction_kwargs = row.get("interaction_kwargs") or {}
+    interaction_kwargs = {} if row.get("interaction_kwargs") is None else row["interaction_kwargs"]
     if not isinstance(interaction_kwargs, dict):
         raise ConfigError(f"{where}: 'interaction_kwargs' must be a mapping (the interaction reads it as "
                           f"task.interaction_kwargs), not {_kind(interaction_kwargs)}")

@@ -56,6 +56,11 @@ def test_jsonl_rows_with_field_mapping(tmp_path):
      "3: 'tool_kwargs' must map tool names to mappings of create() arguments"),
     ('{"question": "q", "answer": "1", "interaction_kwargs": "strict"}',
      "3: 'interaction_kwargs' must be a mapping (the interaction reads it as task.interaction_kwargs), not str"),
+    # empty but wrong kinds: they loaded as no arguments
+    ('{"question": "q", "answer": "1", "tool_kwargs": []}',
+     "3: 'tool_kwargs' must map tool names to mappings of create() arguments"),
+    ('{"question": "q", "answer": "1", "interaction_kwargs": ""}',
+     "3: 'interaction_kwargs' must be a mapping (the interaction reads it as task.interaction_kwargs), not str"),
     ('{"question": "q", "answer": "#### 3",', "3: not valid JSON (Expecting property name enclosed in double quotes)"),
     ("[1, 2]", "3: expected a JSON object"),
     ('{"question": "q", "answer": NaN}', "3: not valid JSON (NaN is not JSON)"),  # it would have been 'nan'
