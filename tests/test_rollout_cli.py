@@ -170,6 +170,22 @@ def test_a_trajectory_holding_half_a_surrogate_pair_is_still_written(tmp_path):
     assert '"café"' in lines[1]  # other lines stay readable
 
 
+def test_a_rewrite_of_trajectories_cut_short_keeps_the_file_it_was_replacing(tmp_path):
+    """The rewrite in task order truncated the streamed file first: failing on the way (here a
+    trajectory that cannot be written, as a full disk would) lost every finished episode."""
+    from agentrl.rollout.collect import write_jsonl
+    from agentrl.types import Trajectory
+
+    out = tmp_path / "rollout.jsonl"
+    write_jsonl([Trajectory("t1", "g"), Trajectory("t2", "g")], out)
+    kept = out.read_text()
+    unwritable = Trajectory("t3", "g", messages=[{"role": "tool", "content": object()}])
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_jsonl([Trajectory("t1", "g"), unwritable], out)
+    assert out.read_text() == kept and [json.loads(line)["task_id"] for line in kept.splitlines()] == ["t1", "t2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["rollout.jsonl"]  # no half-written staging file left
+
+
 def test_a_context_longer_than_the_models_positions_is_refused_when_the_engine_is_built(tiny_model_dir):
     """Past its positions the engine refuses each request (hf_engine.py): every long episode would fail."""
     from agentrl.errors import ConfigError

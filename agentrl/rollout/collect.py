@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -89,12 +90,20 @@ def run_streamed(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_
 
 
 def write_jsonl(trajectories: list[Trajectory], path: str | Path, step: int | None = None) -> None:
-    """One trajectory per line (with its training step when given), UTF-8."""
+    """One trajectory per line (with its training step when given), UTF-8. Written beside `path`
+    and renamed over it: `run_streamed`'s rewrite in task order, cut short (a full disk, a kill),
+    emptied the file that held every finished episode."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for traj in trajectories:
-            f.write(jsonl_line(traj, step))
+    staging = path.with_name(path.name + ".tmp")
+    try:
+        with staging.open("w", encoding="utf-8") as f:
+            for traj in trajectories:
+                f.write(jsonl_line(traj, step))
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
 
 
 def jsonl_line(traj: Trajectory, step: int | None = None) -> str:
