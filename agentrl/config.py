@@ -49,7 +49,8 @@ class _Section(BaseModel):
 
 
 def _check_device(device: str) -> str:
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+    # torch's own spelling: no leading zero ('cuda:01'), ASCII digits only ('\d' takes '١')
+    if not re.fullmatch(r"cpu|cuda(:(0|[1-9][0-9]*))?", device):
         raise ValueError("expected 'cpu', 'cuda' or 'cuda:N'")
     return device
 
@@ -348,10 +349,14 @@ class RecipeConfig(_Section):
                 raise ValueError(f"name {name!r} names the output directory runs/<name> (output_dir unset), so it "
                                  "must be one directory name (no '/' or NUL byte, not empty, '.' or '..')")
             self.output_dir = str(Path("runs") / self.name)
-        if self.data.arithmetic.min_digits > self.data.arithmetic.max_digits:
-            raise ValueError("data.arithmetic.min_digits is larger than max_digits")
+        # Both keys in full: the message names whichever an override set (recipe.named_in).
+        a = self.data.arithmetic
+        if a.min_digits > a.max_digits:
+            raise ValueError(f"data.arithmetic.min_digits ({a.min_digits}) is larger than data.arithmetic.max_digits "
+                             f"({a.max_digits})")
         if self.sft.min_digits > self.sft.max_digits:
-            raise ValueError("sft.min_digits is larger than max_digits")
+            raise ValueError(f"sft.min_digits ({self.sft.min_digits}) is larger than sft.max_digits "
+                             f"({self.sft.max_digits})")
         if self.data.files and self.data.source != "files":
             raise ValueError(f"data.files lists files, but data.source is '{self.data.source}', which does not read "
                              "them: set data.source: files")

@@ -9,6 +9,7 @@ This is a quick look at finished runs, not a dashboard: TensorBoard (tracking.py
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ def read_run(run_dir: str | Path) -> list[dict[str, float]]:
         step = row.get("step", len(rows) + 1)
         if isinstance(step, bool) or not isinstance(step, int):
             raise ConfigError(f"{path}:{number}: 'step' is {json.dumps(step)[:40]}, not an integer")
+        if abs(step) > 2**53:  # beyond a float's integers: matplotlib failed on it with an OverflowError
+            raise ConfigError(f"{path}:{number}: 'step' is {str(step)[:40]}{'…' * (len(str(step)) > 40)}, "
+                              "too large for a step")
         rows.append({**row, "step": step})
     if not rows:
         raise ConfigError(f"{path}: no steps logged")
@@ -137,6 +141,11 @@ def run_plot(run_dirs: list[str | Path], out: str | Path | None = None) -> dict[
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. a file where a parent directory would be
         raise ConfigError(f"--out: cannot make directory '{out_dir}' ({e.strerror}: '{e.filename}')") from None
+    try:  # before drawing: savefig failed on a directory it cannot write to, with a traceback
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out: '{out_dir}' is not writable ({e.strerror or e})") from None
     written: dict[Path, list[tuple[str, str]]] = {}
     for name, (title, keys) in LINE_PANELS.items():
         if drawn := _line_panel(plt, title, keys, runs, out_dir / f"{name}.png"):

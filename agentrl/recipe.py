@@ -16,7 +16,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -167,6 +167,16 @@ def is_section(parts: list[str]) -> bool:
     return any(isinstance(t, type) and issubclass(t, BaseModel) for t in types)
 
 
+def holds_keys(parts: list[str]) -> bool:
+    """Whether a dotted key may go on below this path: a section, a mapping field
+    (`engine.sglang.extra_args`), or no field of the schema (its error is 'unknown key')."""
+    annotation = field_annotation(parts)
+    if annotation is None or is_section(parts):
+        return True
+    types, _ = value_types(annotation)
+    return any((get_origin(t) or t) is dict for t in types)
+
+
 def merge_section(target: dict[str, Any], value: dict[Any, Any], parts: list[str]) -> None:
     """Set `value`'s keys in the section `target` (at `parts`), recursing into subsections, so keys
     the override does not name keep the recipe's values."""
@@ -193,7 +203,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if node.get(part) is None and is_section(parts[: i + 1]):  # absent, or a section left empty
             node[part] = {}
         child = node.setdefault(part, {})
-        if not isinstance(child, dict):
+        # A field of other values, set or not: 'data.files.0=x' made data.files the mapping {'0': 'x'}.
+        if not isinstance(child, dict) or not holds_keys(parts[: i + 1]):
             raise ConfigError(f"override '{override}': '{'.'.join(parts[: i + 1])}' is not a section")
         node = child
     value = override_value(override, key, raw)
@@ -213,16 +224,22 @@ def read_recipe_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: empty recipe (it sets no key; an empty file would run every default)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of sections")
-    return _empty_sections_filled(data, [])
+    return _empty_sections_filled(data, [], path)
 
 
-def _empty_sections_filled(data: dict[str, Any], parts: list[str]) -> dict[str, Any]:
+def _empty_sections_filled(data: dict[str, Any], parts: list[str], source: str | Path) -> dict[str, Any]:
     """`data` with each section written with no keys (`trainer:` above lines all commented out),
-    which YAML reads as null, as an empty mapping: the section's defaults."""
+    which YAML reads as null, as an empty mapping: the section's defaults. A section written as
+    anything but a mapping is refused here, naming the file: an override of the section would
+    otherwise replace it unseen (`trainer: steps=3` with `trainer={lr: 0.1}` ran 10 steps) or be
+    blamed for it."""
     for key, value in data.items():
         path = parts + [str(key)]
-        if isinstance(key, str) and (value is None or isinstance(value, dict)) and is_section(path):
-            data[key] = _empty_sections_filled(value or {}, path)
+        if not isinstance(key, str) or not is_section(path):
+            continue
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{source}: {'.'.join(path)}: a section, so a mapping of its keys (got {value!r})")
+        data[key] = _empty_sections_filled(value or {}, path, source)
     return data
 
 
@@ -364,7 +381,7 @@ def describe_error(e: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         return f"unknown key '{where}'{more}"
     # a check of a whole section (or of the recipe) names its keys itself; its input is the section
-    if not where or (first["type"] == "value_error" and isinstance(first.get("input"), dict)):
+    if not where or (first["type"] == "value_error" and is_section([str(p) for p in first["loc"]])):
         return f"{message}{more}"
     return f"{where}: {message} (got {first.get('input')!r}){more}"
 

@@ -1,10 +1,13 @@
 """Reading a user's YAML file (a recipe, a tool or interaction file): UTF-8 text, PyYAML's safe
 loader, and a key repeated in one mapping is an error naming both lines rather than PyYAML's silent
 last-one-wins, which would drop a whole section without a word. So is a plain number YAML 1.1
-reads as nobody means it (`010` as 8, `1:30` as 90), which the overrides' parser reads as decimal."""
+reads as nobody means it (`010` as 8, `1:30` as 90), which the overrides' parser reads as decimal.
+An exponent without a dot (`1e-3`), text in YAML 1.1, is the number it is in YAML 1.2 and JSON: as
+text it reached mappings that no schema converts (`engine.sglang.extra_args`) as a string."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +79,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return value
 
 
+UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                                      list("-+0123456789"))
 UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
 UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", UniqueKeyLoader.construct_yaml_float)
 
@@ -85,11 +90,14 @@ def one_line(e: Exception) -> str:
 
 
 def read_utf8(path: str | Path) -> str:
-    """A user's text file, or a ConfigError naming the file and the first byte that is not UTF-8."""
+    """A user's text file, or a ConfigError naming the file: unreadable, or the first byte that is
+    not UTF-8."""
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except OSError as e:  # no permission, a directory, a device that refuses reads
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 def load_yaml(path: str | Path) -> Any:

@@ -274,6 +274,9 @@ def recipe_error(tmp_path, text: str | bytes) -> str:
     ("trainer:\n  lr: 1:30.5\n", "not valid YAML ('1:30.5' reads as 90.5 in YAML 1.1 (base 60); write the number as "
                                  "it is meant, or quote it if it is text in \"<unicode string>\", line 2, column 7: "
                                  "lr: 1:30.5 ^)"),
+    # a section that is no mapping: an override of the section replaced it unseen, or was blamed for it
+    ("name: a\ntrainer: steps=3\n", "trainer: a section, so a mapping of its keys (got 'steps=3')"),
+    ("name: a\nmodel:\n  lora: 8\n", "model.lora: a section, so a mapping of its keys (got 8)"),
 ])
 def test_recipe_files_that_would_load_something_else_than_written(tmp_path, text, message):
     assert recipe_error(tmp_path, text) == message
@@ -287,6 +290,58 @@ def test_numbers_yaml_reads_as_written_still_load(tmp_path):
     config = load_recipe(recipe)
     assert (config.name, config.seed, config.trainer.steps, config.trainer.save_every,
             config.trainer.tasks_per_step) == ("010", 7, 10, 0, 1000)
+
+
+def test_a_section_that_is_no_mapping_is_the_files_error_whatever_the_overrides(tmp_path):
+    """`trainer: steps=3` with `trainer={lr: 0.1}` ran 10 steps at lr 0.1, the file's value dropped
+    without a word; with `trainer.steps=3` the override was blamed: "'trainer' is not a section"."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: a\ntrainer: 5\n")
+    for overrides in (["trainer={lr: 0.1}"], ["trainer.steps=3"]):
+        with pytest.raises(ConfigError) as err:
+            load_recipe(recipe, overrides)
+        assert str(err.value) == f"{recipe}: trainer: a section, so a mapping of its keys (got 5)"
+
+
+@pytest.mark.parametrize("override", ["data.files.0=x", "eval.files.x=1", "trainer.resume.x=1",
+                                      "model.lora.target_modules.x=1"])
+def test_a_dotted_override_below_a_field_that_holds_no_keys_names_the_override(override):
+    """Below an absent list or text field a dotted key made a mapping, and the error blamed the
+    recipe file ('recipes/quickstart.yaml: data.files: Input should be a valid list')."""
+    field = override.rsplit(".", 1)[0]
+    with pytest.raises(ConfigError) as err:
+        load_recipe("recipes/quickstart.yaml", [override])
+    assert str(err.value) == f"override '{override}': '{field}' is not a section"
+    assert load_recipe("recipes/quickstart.yaml", ["engine.sglang.extra_args.context_length=4096"]) \
+        .engine.sglang.extra_args == {"context_length": 4096}  # a mapping field takes keys below it
+
+
+def test_a_fields_own_check_on_a_mapping_value_still_names_the_field(tmp_path):
+    """A check whose input is a mapping was taken for a whole section's, and the key was dropped."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: a\nmodel: {lora: {target_modules: {q_proj: true}}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_recipe(recipe)
+    assert str(err.value).startswith(f"{recipe}: model.lora.target_modules: expected a non-empty list")
+
+
+def test_exponents_without_a_dot_are_numbers_in_recipe_files_and_overrides(tmp_path):
+    """YAML 1.1 reads `8e-1` as text: in engine.sglang.extra_args, which no schema converts, SGLang
+    was handed the string '8e-1'."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: a\nengine:\n  sglang:\n    extra_args: {mem_fraction_static: 8e-1, x: '1e-3'}\n"
+                      "trainer: {lr: 3e-6}\n")
+    config = load_recipe(recipe, ["engine.sglang.extra_args.context_length=1e4", "engine.sglang.extra_args.y=-2E-1"])
+    assert config.engine.sglang.extra_args == {"mem_fraction_static": 0.8, "x": "1e-3", "context_length": 10000.0,
+                                               "y": -0.2}
+    assert config.trainer.lr == 3e-6
+
+
+def test_a_recipe_that_cannot_be_read_is_named(tmp_path):
+    """read_text's OSError ended the command in a traceback (no permission; a device refusing reads)."""
+    with pytest.raises(ConfigError) as err:
+        load_recipe("/proc/self/mem")
+    assert str(err.value) == "/proc/self/mem: cannot be read (Input/output error)"
 
 
 def test_merge_keys_may_override_what_they_merge(tmp_path):
@@ -305,15 +360,25 @@ def test_merge_keys_may_override_what_they_merge(tmp_path):
                                  "(got None); sft.dtype replaces it"),
     (["trainer.bf16_autocast=true", "trainer.dtype=float32"],
      "override 'trainer.dtype=float32': trainer.bf16_autocast and trainer.dtype are both set; keep only dtype"),
-    (["data.arithmetic.min_digits=5"], "override 'data.arithmetic.min_digits=5': data.arithmetic.min_digits is "
-                                       "larger than max_digits"),
+    (["data.arithmetic.min_digits=5"], "override 'data.arithmetic.min_digits=5': data.arithmetic.min_digits (5) is "
+                                       "larger than data.arithmetic.max_digits (4)"),
     (["data.arithmetic.max_digits=2", "data.arithmetic.min_digits=3", "trainer.steps=3"],
-     "override 'data.arithmetic.min_digits=3': data.arithmetic.min_digits is larger than max_digits"),
+     "override 'data.arithmetic.min_digits=3': data.arithmetic.min_digits (3) is larger than "
+     "data.arithmetic.max_digits (2)"),
+    # the maximum's override is named too: the recipe's own digits were blamed
+    (["data.arithmetic.max_digits=2"], "override 'data.arithmetic.max_digits=2': data.arithmetic.min_digits (3) is "
+                                       "larger than data.arithmetic.max_digits (2)"),
+    (["sft.max_digits=1"], "override 'sft.max_digits=1': sft.min_digits (2) is larger than sft.max_digits (1)"),
     # a field's own check: the override that set it is named
     (["engine.device=gpu"], "override 'engine.device=gpu': engine.device: expected 'cpu', 'cuda' or 'cuda:N' "
                             "(got 'gpu')"),
     (["trainer.device=cuda:x"], "override 'trainer.device=cuda:x': trainer.device: expected 'cpu', 'cuda' or "
                                 "'cuda:N' (got 'cuda:x')"),
+    # torch refuses these when the run first uses the device, after the recipe was accepted
+    (["trainer.device=cuda:01"], "override 'trainer.device=cuda:01': trainer.device: expected 'cpu', 'cuda' or "
+                                 "'cuda:N' (got 'cuda:01')"),
+    (["engine.device=cuda:\u0661"], "override 'engine.device=cuda:\u0661': engine.device: expected 'cpu', 'cuda' "
+                                    "or 'cuda:N' (got 'cuda:\u0661')"),
 ])
 def test_section_checks_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -123,6 +123,15 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
         assert (done.returncode, done.stderr) == (2, f"agentrl: error: --out: {message}\n")
 
 
+def test_an_out_that_cannot_be_written_to_is_refused_before_drawing(tmp_path):
+    """savefig failed with a traceback; /proc/self is a directory no one, root included, makes files in."""
+    run = write_run(tmp_path / "run", steps=2, reward_start=0.0)
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "plot", str(run), "--out", "/proc/self"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("agentrl: error: --out: '/proc/self' is not writable ("), \
+        done.stderr
+
+
 def test_steps_and_values_plot_cannot_use_are_named_or_left_out(tmp_path):
     """A step that is no integer, and an integer past float's range, ended `plot` in a traceback."""
     run = write_run(tmp_path / "odd", steps=3, reward_start=0.0)
@@ -135,4 +144,8 @@ def test_steps_and_values_plot_cannot_use_are_named_or_left_out(tmp_path):
     lines[2] = lines[2].replace('"step": 3', '"step": [3]')
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match=r"metrics.jsonl:3: 'step' is \[3\], not an integer$"):
+        read_run(run)
+    lines[2] = lines[2].replace('"step": [3]', '"step": 1' + "0" * 400)  # matplotlib: OverflowError
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"metrics.jsonl:3: 'step' is 1" + "0" * 39 + "…, too large for a step$"):
         read_run(run)

@@ -139,7 +139,7 @@ def _instantiate(entry: Any) -> Any:
 
 def typed_config(cls: type, config: dict[str, Any]) -> dict[str, Any]:
     """`config` checked against the constructor's parameters and type hints, each value converted
-    as pydantic converts it: YAML reads `1e-6` as text, which a `float` parameter takes as 1e-06."""
+    as pydantic converts it: `"0.5"` quoted, which a `float` parameter takes as 0.5."""
     try:
         parameters = inspect.signature(cls).parameters
         hints = typing.get_type_hints(cls.__init__)
