@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -146,6 +147,16 @@ def test_outcome_advantages_with_kl_to_go():
     got = token_advantages(trajectories, per_sequence, algo, kl)
     # token 3: 0.5 - 0.5*0.4 = 0.3; token 2: 0.5 - 0.5*(0.2 + 0.4) = 0.2
     assert got[0] == pytest.approx([0, 0, 0.2, 0.3]) and got[1] == [0, 0, -0.5, -0.5]
+
+
+def test_rewards_that_float32_cannot_tell_apart_still_get_advantages():
+    """The rewards went through float32 before the group statistics (in float64): 1000 and
+    1000.00002 became one value, and the group got advantage 0."""
+    trajectories = [make_trajectory(r, [(1, True)]) for r in (1000.0, 1000.00002, 1000.0, 1000.00002)]
+    got = outcome_advantages(trajectories, 4, AlgorithmConfig(advantage="grpo"))
+    std = statistics.stdev([1000.0, 1000.00002, 1000.0, 1000.00002])  # unbiased, as GRPO's
+    expected = 0.00001 / (std + 1e-6)  # eps 1e-6 as in grpo_advantages
+    assert got == pytest.approx([-expected, expected, -expected, expected], rel=1e-6) and expected > 0.79
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.1])

@@ -25,9 +25,11 @@ def outcome_advantages(trajectories: list[Trajectory], group_size: int, algo: Al
     `group_size`). Failed episodes (finish 'error') get None: they are left out of the update and
     out of their group's baseline, so an infrastructure failure never becomes a negative advantage."""
     valid = [t.finish != "error" for t in trajectories]
+    # float64, as the estimators' group statistics: float32 rounded rewards 2e-5 apart at 1000 to
+    # one value, and their group got no advantage.
     rewards_BG = torch.tensor([t.reward if ok else 0.0 for t, ok in zip(trajectories, valid)],
-                              dtype=torch.float).view(-1, group_size)
-    valid_BG = torch.tensor(valid, dtype=torch.float).view(-1, group_size)
+                              dtype=torch.float64).view(-1, group_size)
+    valid_BG = torch.tensor(valid, dtype=torch.float64).view(-1, group_size)
     per_sequence = OUTCOME_ESTIMATORS[algo.advantage](rewards_BG, valid_BG).flatten().tolist()
     return [advantage if ok else None for advantage, ok in zip(per_sequence, valid)]
 
