@@ -157,12 +157,29 @@ def test_truncated_importance_weights_scale_each_tokens_surrogate():
 
 def test_a_ratio_past_floats_range_gives_no_nan_loss_or_gradient():
     # An old logprob of -100 where the policy now gives ~0: e^100 overflows float32, and token 0's
-    # zero advantage made 0 · inf = NaN. At the limit (e^20) token 0 weighs 0 and token 1 gives -1.
+    # zero advantage made 0 · inf = NaN. Along exp's tangent token 0 weighs 0 and token 1 gives -1.
     new = torch.tensor([[0.0, -0.1]], requires_grad=True)
     loss, metrics = ppo_policy_loss(new, torch.tensor([[-100.0, -0.1]]), torch.tensor([[0.0, 1.0]]), torch.ones(1, 2))
     loss.backward()
     close(loss, torch.tensor(-0.5))
-    assert torch.isfinite(new.grad).all() and metrics["approx_kl"] == pytest.approx(0.5 * 20.0 ** 2 / 2)
+    assert torch.isfinite(new.grad).all() and metrics["approx_kl"] == pytest.approx(0.5 * 100.0 ** 2 / 2)
+    for old in (-float("inf"), -1e30):  # bounded at the ceiling: still no NaN
+        new.grad = None
+        loss, _ = ppo_policy_loss(new, torch.tensor([[old, -0.1]]), torch.tensor([[0.0, 1.0]]), torch.ones(1, 2))
+        loss.backward()
+        close(loss, torch.tensor(-0.5))
+        assert torch.isfinite(new.grad).all()
+
+
+def test_a_negative_advantage_token_raised_past_the_limit_is_still_pushed_down():
+    """The log ratio was clamped at 20 before exp: a token with A < 0 the policy had raised by more
+    than 20 nats got no gradient at all, where the unclipped surrogate pushes it down hardest."""
+    new = torch.tensor([[0.0]], requires_grad=True)
+    loss, metrics = ppo_policy_loss(new, torch.tensor([[-25.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1))
+    loss.backward()
+    close(loss, torch.tensor(math.exp(20.0) * 6.0))  # e^20 · (1 + 25 - 20), the tangent at 20
+    close(new.grad, torch.tensor([[math.exp(20.0)]]))  # the tangent's slope: pushed down
+    assert metrics["clip_fraction"] == 0.0
     # log r = 100: exp continues along its tangent at 20, so the value is finite and the gradient
     # still pulls the policy's logprob up towards the reference's
     logp = torch.tensor([[-100.0]], requires_grad=True)

@@ -12,7 +12,8 @@ import torch
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
-LOG_RATIO_LIMIT = 20.0  # |log ratio| beyond which the ratio's exp is taken at the limit
+LOG_RATIO_LIMIT = 20.0  # |log ratio| beyond which exp is taken at the limit, or along its tangent there
+LOG_RATIO_CEILING = 1e4  # a PPO log ratio's bound, so that even an -inf old logprob gives finite numbers
 
 
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
@@ -47,10 +48,13 @@ def ppo_policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, ad
     -dual_clip * A (Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729).
     `weights_BT` (constants, e.g. `truncated_importance_weights`) scale each token's surrogate.
     """
-    # Clamped before exp: past e^88 float32 overflows, and a token with zero advantage (common under
-    # GRPO) would give 0 · inf = NaN; at ±20 the ratio is far outside any clip range either way.
-    log_ratio_BT = torch.clamp(logprobs_BT - old_logprobs_BT, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    ratio_BT = torch.exp(log_ratio_BT)
+    # Past e^88 float32 overflows, and a token with zero advantage (common under GRPO) would give
+    # 0 · inf = NaN. Above LOG_RATIO_LIMIT the ratio goes on along exp's tangent: a clamp there gave
+    # a negative-advantage token the policy had raised that far no gradient at all, where the
+    # surrogate (no clip binds it without dual_clip) pushes it down hardest. Below -LOG_RATIO_LIMIT
+    # the ratio is ~0 and the clip range decides. The ceiling keeps an -inf old logprob finite.
+    log_ratio_BT = torch.clamp(logprobs_BT - old_logprobs_BT, -LOG_RATIO_LIMIT, LOG_RATIO_CEILING)
+    ratio_BT = _exp_within_floats(log_ratio_BT)
     unclipped_BT = -advantages_BT * ratio_BT
     clipped_BT = -advantages_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)
