@@ -90,6 +90,18 @@ def test_the_policy_steps_adamw_on_the_fused_kernel_with_torchs_reference_result
     assert moved > 0
 
 
+def test_no_gradient_outlives_an_update():
+    """The last optimizer step left every gradient allocated, a model-sized block that a colocated
+    engine could not take back through the sync and the next rollout."""
+    policy = PolicyWorker(make_tiny_llama(), 2, lr=1e-2, temperature=1.0, mini_batches=1, ppo_epochs=2)
+    policy.update([SEQUENCE], [MASK], [[1.0 * m for m in MASK]], old_logprobs=[[-1.0] * len(SEQUENCE)])
+    critic = CriticWorker(ValueModel.from_policy(make_tiny_llama()), 2, lr=1e-2, value_clip=None)
+    critic.update([SEQUENCE], [MASK], [[1.0 * m for m in MASK]], critic.values([SEQUENCE], [MASK]))
+    for worker in (policy, critic):
+        assert worker.optimizer.state  # it stepped
+        assert [n for n, p in worker.model.named_parameters() if p.grad is not None] == []
+
+
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
 def test_one_step_moves_sequence_logprob_with_the_advantage_sign(advantage):
     model = make_tiny_llama()
@@ -717,8 +729,11 @@ def test_micro_batches_give_the_gradients_of_one_batch(aggregation):
         model = make_tiny_llama()
         worker = PolicyWorker(model, 2, lr=1e-3, temperature=0.9, grad_clip=1e9, micro_batch_tokens=budget,
                               aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01)
+        # the gradients as the step gets them (it frees them after)
+        worker.optimizer.register_step_pre_hook(lambda *_, model=model: grads.append(
+            {name: p.grad.clone() for name, p in model.named_parameters()}))
         worker.update(sequences, masks, advantages, ref_logprobs=refs)
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    assert len(grads) == 2  # one step each
     for name, g in grads[1].items():
         torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
     assert any(g.abs().sum() > 0 for g in grads[1].values())

@@ -216,10 +216,15 @@ def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_
 
     A norm that is not finite (a logprob or loss that overflowed somewhere) skips the step with a
     warning: one such step would turn every weight into NaN, and the run would train on from there.
-    Every rank sees the same full norm, so every rank skips together."""
+    Every rank sees the same full norm, so every rank skips together.
+
+    The gradients are freed either way: kept after the last step, a model-sized block stayed
+    allocated through the weight sync and the next rollout, where a colocated engine takes its
+    memory back."""
     norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
     if math.isfinite(norm):
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return norm, True
     optimizer.zero_grad(set_to_none=True)
     if rank == 0:
