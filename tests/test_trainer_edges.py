@@ -546,3 +546,29 @@ def test_rollout_is_cap_weights_each_tokens_surrogate_by_the_engines_logprobs():
     policy = PolicyWorker(small_llama(), 2, lr=1e-3, temperature=1.0, rollout_is_cap=2.0)
     with pytest.raises(ValueError, match="rollout_is_cap weights tokens by the engine's logprobs"):
         policy.update(sequences, masks, advantages)
+
+
+def test_a_resumed_rollout_worker_takes_the_engines_stream_only_where_it_fits(tiny_model_dir, capsys):
+    """A resume that changed engine.name or engine.device (allowed, with a warning) crashed after
+    every model had loaded: SGLang's engine has no `generator` (AttributeError), and a CPU
+    generator refuses a CUDA one's state (RuntimeError)."""
+    from agentrl.recipe import load_recipe
+    from agentrl.rollout.worker import RolloutWorker
+
+    worker = RolloutWorker(load_recipe("recipes/rollout_cpu.yaml", [f"model.path={tiny_model_dir}",
+                                                                    "model.dtype=float32"]))
+    capsys.readouterr()  # what loading the engine printed
+    saved = worker.rng_state()
+    draws = lambda: (torch.rand(3, generator=worker.seeds).tolist(),  # noqa: E731
+                     torch.rand(3, generator=worker.engine.generator).tolist())
+    first = draws()
+    worker.set_rng_state(saved)
+    assert draws() == first and capsys.readouterr().err == ""
+    worker.set_rng_state({"episodes": saved["episodes"], "engine": torch.zeros(16, dtype=torch.uint8)})  # CUDA's size
+    assert torch.rand(3, generator=worker.seeds).tolist() == first[0]  # the episodes' stream still resumes
+    assert "the checkpoint's engine sampling stream does not fit this engine" in capsys.readouterr().err
+    worker.engine = object()  # an engine with no stream of its own (SGLang's)
+    worker.set_rng_state(saved)
+    assert torch.rand(3, generator=worker.seeds).tolist() == first[0]
+    assert capsys.readouterr().err.endswith("(the engine keeps no sampling stream of its own): requests without a "
+                                            "seed sample anew\n")

@@ -68,7 +68,16 @@ class RolloutWorker:
         if state["episodes"] is not None:
             self.seeds.set_state(state["episodes"])
         if state["engine"] is not None:
-            self.engine.generator.set_state(state["engine"])
+            # A resume may change engine.name or engine.device (a warning, not an error): another
+            # engine keeps no such stream, and a CPU generator takes no CUDA one's state.
+            generator = getattr(self.engine, "generator", None)
+            try:
+                if generator is None:
+                    raise TypeError("the engine keeps no sampling stream of its own")
+                generator.set_state(state["engine"])
+            except (RuntimeError, TypeError) as e:
+                print(f"agentrl: warning: the checkpoint's engine sampling stream does not fit this engine "
+                      f"({' '.join(str(e).split())[:120]}): requests without a seed sample anew", file=sys.stderr)
 
     def close(self) -> None:
         """The tools' processes and connections, then the engine: a launched SGLang server stops and
