@@ -572,3 +572,19 @@ def test_a_resumed_rollout_worker_takes_the_engines_stream_only_where_it_fits(ti
     assert torch.rand(3, generator=worker.seeds).tolist() == first[0]
     assert capsys.readouterr().err.endswith("(the engine keeps no sampling stream of its own): requests without a "
                                             "seed sample anew\n")
+
+
+def test_one_module_name_as_a_string_is_refused_with_what_to_write():
+    """peft takes a string as a regex over the whole module path: `target_modules: q_proj` matched
+    nothing, and the error only said peft could not adapt 'q_proj'."""
+    from agentrl.config import LoraSettings
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.lora import add_lora, is_lora
+
+    with pytest.raises(ConfigError) as error:
+        add_lora(small_llama(), LoraSettings(rank=4, target_modules="q_proj"), "/nonexistent")
+    assert str(error.value).startswith("model.lora.target_modules: peft cannot adapt 'q_proj' in this model (")
+    assert str(error.value).endswith("; one name is a regular expression over a module's whole path, so to adapt "
+                                     "the modules named 'q_proj' give the list [q_proj]")
+    assert is_lora(add_lora(small_llama(), LoraSettings(rank=4, target_modules=["q_proj"]), "/nonexistent"))
+    assert is_lora(add_lora(small_llama(), LoraSettings(rank=4, target_modules=r".*\.q_proj"), "/nonexistent"))

@@ -68,8 +68,15 @@ def add_lora(model: torch.nn.Module, settings: "LoraSettings", base: str, seed: 
             torch.manual_seed(seed)
             return get_peft_model(model, config)
     except ValueError as e:  # peft's NoMatchingPeftModuleError, or a layer type it cannot adapt
-        raise ConfigError(f"model.lora.target_modules: peft cannot adapt {settings.target_modules!r} in this model "
-                          f"({one_line(e)})") from None
+        targets = settings.target_modules
+        # peft reads one string (but 'all-linear') as a regex over a module's whole path: 'q_proj'
+        # alone matches nothing, and the message did not say why.
+        hint = (f"; one name is a regular expression over a module's whole path, so to adapt the modules "
+                f"named {targets!r} give the list [{targets}]"
+                if isinstance(targets, str) and targets != "all-linear" and any(
+                    name.rsplit(".", 1)[-1] == targets for name, _ in model.named_modules()) else "")
+        raise ConfigError(f"model.lora.target_modules: peft cannot adapt {targets!r} in this model "
+                          f"({one_line(e)}){hint}") from None
 
 
 def refuse_tied_targets(model: torch.nn.Module, config: Any) -> None:
