@@ -159,6 +159,8 @@ def check_run_dir(config: RecipeConfig, run_dir: Path) -> None:
 # weights belong to (policy, LoRA adapters, critic) and the tasks the data cursor (the step number)
 # indexes.
 RESUME_MUST_MATCH = ("model.path", "model.lora.", "critic.path", "data.", "trainer.tasks_per_step")
+# Within those, a setting of how to train the same weights, not of their shape: warned of only.
+RESUME_MAY_CHANGE = ("model.lora.dropout",)
 # Settings that do not shape training, and trainer.steps, which a resume may raise (checked apart).
 RESUME_IGNORED = ("name", "eval.", "sft.", "trainer.resume", "trainer.steps")
 
@@ -180,7 +182,7 @@ def check_resume(config: RecipeConfig, checkpoint: Path | None) -> None:
     def show(key: str) -> str:
         return f"{key} {json.dumps(saved.get(key))} -> {json.dumps(now.get(key))}"
 
-    refused = [show(key) for key in changed if key.startswith(RESUME_MUST_MATCH)]
+    refused = [show(key) for key in changed if key.startswith(RESUME_MUST_MATCH) and key not in RESUME_MAY_CHANGE]
     if refused:
         raise ConfigError(f"trainer.resume 'auto': {checkpoint} was written with other settings for the model or "
                           f"the tasks ({', '.join(refused)}); resume with the ones it was written with, or start "

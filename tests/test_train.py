@@ -1024,6 +1024,9 @@ def test_resume_compares_the_models_as_they_are_built_and_names_an_unreadable_re
                            (["critic.path=/models/other"], 'critic.path null -> "/models/other"')):
         with pytest.raises(ConfigError, match=re.escape(f"({named}); resume with the ones it was written with")):
             check_resume(load_recipe("recipes/quickstart.yaml", written + changes), checkpoint)
+    # the adapters' dropout shapes no weight: a warning, as a new learning rate gets
+    check_resume(load_recipe("recipes/quickstart.yaml", written + ["model.lora.dropout=0.1"]), checkpoint)
+    assert "settings changed since it was written: model.lora.dropout 0.0 -> 0.1" in capsys.readouterr().err
     # without a critic, critic.path shapes nothing
     (checkpoint / "recipe.json").write_text(json.dumps(load_recipe("recipes/quickstart.yaml").model_dump(mode="json")))
     check_resume(load_recipe("recipes/quickstart.yaml", ["critic.path=/models/other"]), checkpoint)
