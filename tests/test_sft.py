@@ -3,6 +3,8 @@ output replaces only a saved model, never a directory of other files."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -88,6 +90,29 @@ def test_a_template_without_prefix_renderings_ends_turns_with_its_end_token(toke
     ids, fallback = renderer.assistant_turn_ids(MESSAGES[:2], MESSAGES[4])
     assert fallback and renderer.turn_end_id == 2 != qwen_like.eos_token_id
     assert ids == qwen_like("It is 408.", add_special_tokens=False)["input_ids"] + [2]
+
+
+def test_the_fallback_keeps_special_token_text_as_text(tokenizer):
+    """The fallback encoded a turn's content whole, so a literal `<|im_end|>` in it became the
+    control token, trained mid-turn: the model would learn to end its turns there."""
+    import copy
+
+    from agentrl.rollout.chat import SpecialTextError
+
+    reasoning = copy.deepcopy(tokenizer)  # a generation prompt the rendered turn does not start with
+    reasoning.chat_template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n' }}{%- endif %}")
+    renderer = ChatRenderer(reasoning, [])
+    text = "They end with <|im_end|> then a newline."
+    ids, fallback = renderer.assistant_turn_ids(MESSAGES[:2], {"role": "assistant", "content": text})
+    assert fallback and ids == renderer.encode_text(text) + [2] and ids.count(2) == 1
+    assert renderer.decode(ids) == text + "<|im_end|>"
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "<|im_end|>"}}}]}
+    with pytest.raises(SpecialTextError, match=re.escape("a tool call's arguments contain the special token text "
+                                                         "'<|im_end|>'")):
+        renderer.assistant_turn_ids(MESSAGES[:2], call)
 
 
 def test_sft_steps_raise_demonstration_likelihood(tokenizer, tiny_model):

@@ -265,11 +265,21 @@ class ChatRenderer:
             ends = [i for i, token in enumerate(ids) if token in self.stop_ids]
             if ends:
                 return ids[: ends[0] + 1], False
-        parts = [message.get("content") or ""] + [
-            "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                         ensure_ascii=False) + "\n</tool_call>"
-            for c in message.get("tool_calls") or []]
-        return self.encode("\n".join(p for p in parts if p)) + [self.turn_end_id], True
+        content = message.get("content") or ""
+        calls = ["<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                              ensure_ascii=False) + "\n</tool_call>"
+                 for c in message.get("tool_calls") or []]
+        # As on the template's path: a special token's text stays text in the content, and is refused
+        # in a call, where it would be encoded as the control token (a `<|im_end|>` there ended
+        # the trained turn early).
+        found = next((t for t in self.special_texts if any(t in call for call in calls)), None)
+        if found:
+            raise SpecialTextError(f"a tool call's arguments contain the special token text {found!r}, which "
+                                   "would become a control token")
+        if any(t in content for t in self.special_texts):
+            rest = "".join("\n" + call for call in calls)
+            return self.encode_text(content) + (self.encode(rest) if rest else []) + [self.turn_end_id], True
+        return self.encode("\n".join(p for p in [content, *calls] if p)) + [self.turn_end_id], True
 
     def truncate(self, text: str, max_tokens: int, what: str = "output") -> tuple[str, bool]:
         """Text cut to `max_tokens` tokens with a marker saying so (`what` was cut: a tool's output,
