@@ -155,3 +155,20 @@ def test_an_interactions_reply_is_cut_to_max_interaction_tokens(tokenizer):
     assert was_cut and user == cut and user.startswith("word word")
     assert user.endswith("\n[reply truncated to 16 tokens]")  # the user's reply, not a tool's output
     assert traj.metrics["interaction_truncations"] == 1.0
+
+
+def test_a_non_finite_logprob_from_the_engine_fails_its_episode(tokenizer):
+    """A diverged model's NaN was recorded: it would weight the update (truncated importance
+    weights) and be written to the trajectory file as a bare NaN, which is no JSON."""
+    from agentrl.types import Completion
+
+    class Diverged(ScriptedEngine):
+        async def generate(self, token_ids, sampling):
+            done = await super().generate(token_ids, sampling)
+            return Completion(done.token_ids, [float("nan")] + done.logprobs[1:], done.finish, done.weight_version)
+
+    runner = EpisodeRunner(Diverged(tokenizer, ["The answer is 4."]), tokenizer, [], parse_hermes, EpisodeSettings())
+    [traj] = run_with_daemon_threads(collect(runner, [Task(id="t", prompt="2+2?", answer="4")], 1, 1))
+    assert (traj.finish, traj.error) == ("error", "ValueError: the engine gave sampled token 0 of turn 1 the logprob "
+                                                  "nan (a diverged model?)")
+    assert traj.loss_mask.count(1) == 0  # nothing of the turn was recorded as sampled

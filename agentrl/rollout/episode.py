@@ -120,6 +120,12 @@ class EpisodeRunner:
                 sampling = SamplingParams(budget, s.temperature, s.top_p, self.stop_ids,
                                           None if seed is None else derive_seed(seed, turns))
                 completion = await self.engine.generate(traj.token_ids, sampling)
+                # As the endpoint refuses them: a diverged model's NaN would weight the update (the
+                # importance weights) and be written to the trajectory file as a bare NaN.
+                bad = next((i for i, lp in enumerate(completion.logprobs) if not math.isfinite(lp)), None)
+                if bad is not None:
+                    raise ValueError(f"the engine gave sampled token {bad} of turn {turns + 1} the logprob "
+                                     f"{completion.logprobs[bad]} (a diverged model?)")
                 traj.weight_version = min(traj.weight_version, completion.weight_version)
                 traj.append(completion.token_ids, trainable=True, logprobs=completion.logprobs)
                 turns += 1
