@@ -58,7 +58,10 @@ def use_tcmalloc() -> str:
         return current
     library = find_tcmalloc()
     argv = getattr(sys, "orig_argv", None)  # the command line as typed, `-m module` and all
-    if library is None or not argv:
+    # A program read from stdin (`python -`, a heredoc) or typed at a prompt cannot run again: the
+    # new process found stdin used up, and exited 0 having done nothing.
+    from_stdin = sys.argv[:1] in ([""], ["-"]) or sys.flags.interactive
+    if library is None or not argv or from_stdin:
         return current
     env = dict(os.environ, **{_RELAUNCHED: "1"})
     env.setdefault("TCMALLOC_RELEASE_RATE", "0")  # keep freed pages (module docstring)

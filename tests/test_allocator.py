@@ -57,3 +57,15 @@ def test_main_called_from_a_program_never_re_executes_that_program(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert done.stdout.splitlines() == ["start", "2"], done.stderr  # the missing model: a ConfigError, once
     assert "agentrl: memory allocator system" in done.stderr
+
+
+def test_a_program_read_from_stdin_is_not_executed_again():
+    """Re-executed, `python -` found its stdin used up: the program did nothing and exited 0."""
+    if find_tcmalloc() is None:
+        pytest.skip("tcmalloc is not installed (Debian: libtcmalloc-minimal4, `make system-packages`)")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("LD_PRELOAD", "AGENTRL_ALLOCATOR", "TCMALLOC_RELEASE_RATE")}
+    done = subprocess.run([sys.executable, "-", "a b"], input=SCRIPT + 'print("done")\n', capture_output=True,
+                          text=True, timeout=60, env={**env, "MARK": "kept"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["start", "system ['a b'] - kept -", "done"]
