@@ -217,12 +217,22 @@ def test_one_digit_operands_generate_tasks():
     assert len(tasks) == 40 and all(task.answer.startswith("#### ") for task in tasks)
 
 
-def test_an_answer_that_overflows_to_infinity_is_refused(tmp_path):
+@pytest.mark.parametrize("row, problem", [
+    ('{"question": "q", "answer": 1e400}', "not valid JSON (1e400 is too large for a number)"),
+    # anywhere in the row: it read as inf, which no later check looked for
+    ('{"question": "q", "answer": "1", "tool_kwargs": {"calc": {"tolerance": -1e999}}}',
+     "not valid JSON (-1e999 is too large for a number)"),
+    # past Python's digits limit: a bare ValueError, a traceback naming no file
+    ('{"question": "q", "answer": ' + "9" * 5000 + "}",
+     "not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use "
+     "sys.set_int_max_str_digits() to increase the limit)"),
+])
+def test_a_number_no_float_or_int_holds_is_refused_naming_the_line(tmp_path, row, problem):
     path = tmp_path / "tasks.jsonl"
-    path.write_text('{"question": "q", "answer": 1e400}\n')
+    path.write_text(row + "\n")
     with pytest.raises(ConfigError) as err:
         dataset_tasks("files", [str(path)], "train", "question", "answer")
-    assert str(err.value) == f"{path}:1: 'answer' is inf, not a finite number"
+    assert str(err.value) == f"{path}:1: {problem}"
 
 
 def test_openai_style_calls_in_a_task_prompt_render_as_sampled_calls_do(tmp_path, tokenizer):
