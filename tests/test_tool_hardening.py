@@ -100,6 +100,17 @@ def test_one_element_tensors_and_arrays_are_numbers_and_others_are_not():
         assert finite_number(invalid) is None, invalid
 
 
+def test_a_reward_as_a_decimal_or_past_a_floats_range_is_judged_alike_everywhere():
+    """A Decimal counted from the reward function but was dropped as a tool's reward; an int past
+    a float's range ended the reward function's check with a bare OverflowError."""
+    from decimal import Decimal
+
+    assert finite_number(Decimal("0.5"), REWARD_LIMIT) == 0.5 == outcome_reward(lambda t, m: Decimal("0.5"), TASK, [])
+    assert finite_number(Decimal("NaN")) is None and finite_number(10**400) is None
+    with pytest.raises(ValueError, match=r"^the reward function returned 1000.*0, not a finite number$"):
+        outcome_reward(lambda task, messages: 10**400, TASK, [])
+
+
 def test_rewards_beyond_the_limit_are_dropped_and_counted():
     """Rewards of 1e39 passed as finite, became infinity in float32 and NaN advantages."""
     calls = [ToolCall("huge_reward", {"value": v}) for v in (1e39, 2.5, -REWARD_LIMIT * 10)]

@@ -272,7 +272,7 @@ def outcome_reward(reward_fn: RewardFn | None, task: Task, messages: list[dict[s
     value = reward_fn(task, messages)
     try:
         number = float(value) if not isinstance(value, (str, bytes)) else math.nan
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past a float's range
         number = math.nan
     if not math.isfinite(number):
         raise ValueError(f"the reward function returned {value!r}, not a finite number")
