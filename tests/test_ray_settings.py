@@ -109,3 +109,14 @@ def test_a_run_of_its_own_ray_on_too_few_cores_warns_and_gives_its_actors_the_sh
     assert capsys.readouterr().err == ("agentrl: warning: trainer.world_size 64 at trainer.cpus_per_worker 2 ask for "
                                        "128 CPUs on a machine with 2 cores: the workers share them, 1 torch thread "
                                        "each, and each loads its own model copy\n")
+
+
+def test_the_cores_counted_are_the_ones_this_process_may_run_on():
+    """os.cpu_count() counts the host's cores: under `taskset -c 0` (a container's --cpuset-cpus)
+    the ranks' threads were never cut, and the run's own Ray was told it had every core."""
+    script = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+              "from agentrl.trainer.ray_cluster import usable_cores; print(usable_cores(), os.cpu_count())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    usable, host = map(int, done.stdout.split())
+    assert usable == 1 and host >= 1

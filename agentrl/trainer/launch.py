@@ -34,7 +34,8 @@ from agentrl.config import RecipeConfig
 from agentrl.errors import RunFailed
 from agentrl.rollout.worker import RolloutWorker
 from agentrl.trainer.distributed import Ranks, init_process_group, open_rendezvous, remove_rendezvous
-from agentrl.trainer.ray_cluster import check_ray_address, fair_threads, restore_signal_handlers, start_local_ray
+from agentrl.trainer.ray_cluster import (check_ray_address, fair_threads, restore_signal_handlers, start_local_ray,
+                                         usable_cores)
 from agentrl.trainer.ray_groups import RaySink, Supervisor, WorkerGroup
 from agentrl.trainer.ray_settings import check_ray_settings
 from agentrl.trainer.roles import Roles, make_critic, make_policy, make_reference
@@ -113,7 +114,7 @@ class RayRoles(Roles):
             check_ray_address(t.ray_address)
             ray.init(address=t.ray_address, namespace="agentrl", log_to_driver=True)
         elif self._started_ray:
-            cores = os.cpu_count() or 1
+            cores = usable_cores()
             self.threads, warning = fair_threads(t.world_size, t.cpus_per_worker, self._bundles(), cores)
             if warning:
                 print(f"agentrl: warning: {warning}", file=sys.stderr)

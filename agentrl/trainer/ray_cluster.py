@@ -73,6 +73,15 @@ def restore_signal_handlers(handlers: dict[int, Any]) -> None:
             signal.signal(signum, handler)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (`taskset`, a container's
+    `--cpuset-cpus`), which os.cpu_count() ignores, reporting every core of the host."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
 def fair_threads(world_size: int, cpus_per_worker: float, bundles: list[dict[str, float]],
                  cores: int) -> tuple[int, str | None]:
     """(torch threads of each actor, a warning or None) for a Ray of the run's own on `cores` cores.
@@ -96,7 +105,7 @@ def start_local_ray(bundles: list[dict[str, float]]) -> None:
     reporting or a dashboard; `address="local"`, or `ray.init` would join a cluster that `ray
     start` left recorded on this machine (and refuse the CPU count, or hang on a dead one)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cpus = max(sum(b.get("CPU", 0.0) for b in bundles), float(os.cpu_count() or 1))
+    cpus = max(sum(b.get("CPU", 0.0) for b in bundles), float(usable_cores()))
     gpus = sum(b.get("GPU", 0.0) for b in bundles)
     with dashboard_kept_home():
         ray.init(address="local", num_cpus=int(cpus + 0.999), num_gpus=int(gpus), include_dashboard=False,
