@@ -18,9 +18,9 @@ setting wins): the process keeps its peak heap and reuses it, rollout and update
 An allocator is chosen when a process starts (`LD_PRELOAD`), so `use_tcmalloc` executes the
 running command again, once, with tcmalloc preloaded; the agentrl CLI and the benchmarks call it
 first thing. Child processes (Ray workers) inherit it; the Python tool's sandbox does not (it
-starts with a clean environment). `AGENTRL_ALLOCATOR=system` keeps the system allocator. The
-library is Debian's `libtcmalloc-minimal4` (`make system-packages` installs it); without it
-nothing changes. Linux only.
+starts with a clean environment). `AGENTRL_ALLOCATOR=system` keeps the system allocator (any value
+but it and `tcmalloc` is an error). The library is Debian's `libtcmalloc-minimal4` (`make
+system-packages` installs it); without it nothing changes. Linux only.
 """
 
 from __future__ import annotations
@@ -53,8 +53,13 @@ def active_allocator() -> str:
 def use_tcmalloc() -> str:
     """Re-execute this process with tcmalloc preloaded where that helps and is possible (this
     call then does not return); otherwise return the allocator in use. Call it before any work."""
+    choice = os.environ.get(OPT_OUT, "")
+    if choice not in ("", "system", "tcmalloc"):  # 'glibc' or a typo went on to re-execute on tcmalloc
+        from agentrl.errors import ConfigError
+
+        raise ConfigError(f"{OPT_OUT}: {choice!r} is neither 'system' (glibc's malloc) nor 'tcmalloc' (the default)")
     current = active_allocator()
-    if current != "system" or os.environ.get(OPT_OUT) == "system" or os.environ.get(_RELAUNCHED):
+    if current != "system" or choice == "system" or os.environ.get(_RELAUNCHED):
         return current
     library = find_tcmalloc()
     argv = getattr(sys, "orig_argv", None)  # the command line as typed, `-m module` and all

@@ -51,9 +51,10 @@ def _allocator(args: argparse.Namespace) -> None:
 
     name = use_tcmalloc() if args.own_command_line else active_allocator()
     hint = ""
-    if name == "system" and not os.environ.get(OPT_OUT):
+    if name == "system" and os.environ.get(OPT_OUT) != "system":
         hint = (" (faster on CPU: install libtcmalloc-minimal4)" if find_tcmalloc() is None else
-                " (called from a program: start it with LD_PRELOAD=<libtcmalloc> for tcmalloc)")
+                " (called from a program: start it with TCMALLOC_RELEASE_RATE=0 LD_PRELOAD=<libtcmalloc> for "
+                "tcmalloc as agentrl runs it)")
     print(f"agentrl: memory allocator {name}{hint}", file=sys.stderr)
 
 

@@ -69,3 +69,14 @@ def test_a_program_read_from_stdin_is_not_executed_again():
                           text=True, timeout=60, env={**env, "MARK": "kept"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["start", "system ['a b'] - kept -", "done"]
+
+
+def test_an_allocator_choice_other_than_system_or_tcmalloc_is_refused(tmp_path):
+    """`AGENTRL_ALLOCATOR=glibc` was ignored: the command re-executed on tcmalloc all the same."""
+    env = {**os.environ, "AGENTRL_ALLOCATOR": "glibc"}
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "rollout", "recipes/rollout_cpu.yaml",
+                           f"model.path={tmp_path}/no-model", f"output_dir={tmp_path}/out"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (
+        2, "agentrl: error: AGENTRL_ALLOCATOR: 'glibc' is neither 'system' (glibc's malloc) nor 'tcmalloc' (the "
+           "default)"), done.stderr
