@@ -100,11 +100,12 @@ def test_a_run_of_its_own_ray_on_too_few_cores_warns_and_gives_its_actors_the_sh
     def place(roles):
         raise Placed(roles.threads)  # what each actor is started with
 
-    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launch, "usable_cores", lambda: 2)
     monkeypatch.setattr(launch, "start_local_ray", lambda bundles: None)
     monkeypatch.setattr(launch.RayRoles, "_place", place)
-    with pytest.raises(Placed) as placed:
-        launch.RayRoles(ray_recipe("trainer.world_size=64", "trainer.cpus_per_worker=2"), tokenizer=None)
+    with pytest.raises(Placed) as placed:  # explicit dtypes: no probe to print its choice
+        launch.RayRoles(ray_recipe("trainer.world_size=64", "trainer.cpus_per_worker=2", "model.dtype=float32",
+                                   "trainer.dtype=float32"), tokenizer=None)
     assert placed.value.args == (1,)
     assert capsys.readouterr().err == ("agentrl: warning: trainer.world_size 64 at trainer.cpus_per_worker 2 ask for "
                                        "128 CPUs on a machine with 2 cores: the workers share them, 1 torch thread "
@@ -120,3 +121,20 @@ def test_the_cores_counted_are_the_ones_this_process_may_run_on():
     assert done.returncode == 0, done.stderr
     usable, host = map(int, done.stdout.split())
     assert usable == 1 and host >= 1
+
+
+def test_ray_actors_get_the_drivers_cpu_dtype_choice_not_a_probe_each():
+    """Each actor timed its own probe for `auto`: on a machine whose bf16 and float32 timings are
+    close, ranks could choose differently (FSDP shards of two dtypes)."""
+    from agentrl.hardware import choose_dtype
+    from agentrl.trainer.launch import pinned_cpu_dtypes
+
+    chosen = choose_dtype("auto", "cpu").dtype
+    config = load_recipe("recipes/quickstart.yaml", ["trainer.backend=ray"])
+    assert (config.model.dtype, config.trainer.dtype) == ("auto", "auto")
+    pinned = pinned_cpu_dtypes(config)
+    assert (pinned.model.dtype, pinned.trainer.dtype) == (chosen, chosen) and chosen in ("bfloat16", "float32")
+    assert pinned.model_dump(exclude={"model": {"dtype"}, "trainer": {"dtype"}}) == config.model_dump(
+        exclude={"model": {"dtype"}, "trainer": {"dtype"}})  # nothing else changes
+    explicit = load_recipe("recipes/quickstart.yaml", ["trainer.dtype=float32", "model.dtype=float32"])
+    assert pinned_cpu_dtypes(explicit) == explicit

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agentrl.config import RecipeConfig
 from agentrl.errors import RunFailed
+from agentrl.hardware import choose_dtype
 from agentrl.rollout.worker import RolloutWorker
 from agentrl.trainer.distributed import Ranks, init_process_group, open_rendezvous, remove_rendezvous
 from agentrl.trainer.ray_cluster import (check_ray_address, fair_threads, restore_signal_handlers, start_local_ray,
@@ -44,6 +45,19 @@ from agentrl.types import Task, Trajectory
 # How long shutdown waits for the rollout workers to close what they opened before killing them:
 # the tools' connections (seconds) and a launched SGLang server, which gets 30 s after SIGTERM.
 CLOSE_TIMEOUT_S = 60.0
+
+
+def pinned_cpu_dtypes(config: RecipeConfig) -> RecipeConfig:
+    """The recipe the actors get: each `auto` dtype on a CPU resolved once, in the driver. Each
+    actor, a process of its own, would time its own start-up probe, and on a machine whose bf16 and
+    float32 timings are close, ranks could choose differently (FSDP shards of two dtypes, an engine
+    whose numerics are not the trainer's). On CUDA the choice depends on the device alone."""
+    updates: dict[str, Any] = {}
+    for section, device in (("model", config.engine.device), ("trainer", config.trainer.device)):
+        settings = getattr(config, section)
+        if settings.dtype == "auto" and device.startswith("cpu"):
+            updates[section] = settings.model_copy(update={"dtype": choose_dtype("auto", device).dtype})
+    return config.model_copy(update=updates)
 
 
 def make_rollout(config: RecipeConfig, pad_id: int, ranks: Ranks) -> RolloutWorker:
@@ -105,7 +119,7 @@ class RayRoles(Roles):
 
     def __init__(self, config: RecipeConfig, tokenizer: Any):
         check_ray_settings(config)  # before any actor starts: each would fail on its own
-        self.config, self.tokenizer = config, tokenizer
+        self.config, self.tokenizer = pinned_cpu_dtypes(config), tokenizer
         t = config.trainer
         self._started_ray = not ray.is_initialized() and t.ray_address is None
         self.threads = max(1, int(t.cpus_per_worker))
