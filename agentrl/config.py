@@ -322,7 +322,8 @@ class EvalConfig(_Section):
     num_tasks: int = Field(32, ge=1, description="Held-out tasks.")
     seed: int = Field(10_000, ge=0, lt=2**63,
                       description="Seed of held-out arithmetic tasks (data.source 'arithmetic'); not data.seed.")
-    files: list[PathText] = Field(default_factory=list, description="Held-out task files (other sources); none of data.files.")
+    files: list[PathText] = Field(default_factory=list,
+                                  description="Held-out task files (other sources); none of data.files.")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature for evaluation (0: greedy).")
 
 

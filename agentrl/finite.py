@@ -24,10 +24,10 @@ def _single_element(value: Any) -> Any:
 
 def finite_number(value: Any, limit: float = math.inf) -> float | None:
     """`value` as a finite float of magnitude at most `limit`, or None (None, text, bools, NaN,
-    infinity, an int too large for a float, objects; a Decimal is a number): what a tool's metric must be to count (a
-    reward: within REWARD_LIMIT). numpy's scalars are numbers, and so is the one element of a torch
-    tensor or numpy array (a reward model's judge returns `torch.sigmoid(logit)`, which the reward
-    function's check took and an interaction score's dropped)."""
+    infinity, an int too large for a float, objects): what a tool's metric must be to count (a
+    reward: within REWARD_LIMIT). numpy's scalars and Decimals are numbers, and so is the one
+    element of a torch tensor or numpy array (a reward model's judge returns `torch.sigmoid(logit)`,
+    which the reward function's check took and an interaction score's dropped)."""
     value = _single_element(value)
     # Decimal is no numbers.Real, but float() takes it exactly as the reward function's check does.
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, decimal.Decimal)):

@@ -222,15 +222,14 @@ def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_
     allocated through the weight sync and the next rollout, where a colocated engine takes its
     memory back."""
     norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
-    if math.isfinite(norm):
+    stepped = math.isfinite(norm)
+    if stepped:
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm, True
     optimizer.zero_grad(set_to_none=True)
-    if rank == 0:
+    if not stepped and rank == 0:
         print(f"agentrl: warning: the {what} gradient norm is {norm}; this optimizer step is skipped",
               file=sys.stderr)
-    return norm, False
+    return norm, stepped
 
 
 def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
