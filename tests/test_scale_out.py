@@ -251,7 +251,8 @@ def test_a_ray_address_where_nothing_answers_stops_the_run_naming_the_key(tmp_pa
 def checked(address: str, env: dict[str, str]) -> str:
     """What check_ray_address says about `address` in a process of its own: Ray reads its auth
     settings from the environment once per process."""
-    probe = ("import sys; from agentrl.errors import RunFailed; from agentrl.trainer.ray_cluster import check_ray_address\n"
+    probe = ("import sys; from agentrl.errors import RunFailed\n"
+             "from agentrl.trainer.ray_cluster import check_ray_address\n"
              "try:\n    check_ray_address(sys.argv[1], timeout_s=5)\nexcept RunFailed as e:\n    print(e)\n"
              "else:\n    print('ok')")
     return subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, env=env,
@@ -449,7 +450,7 @@ from agentrl.trainer.distributed import Ranks
 from agentrl.trainer.launch import RoleActor
 from agentrl.trainer.ray_cluster import start_local_ray
 
-closed = Path(sys.argv[1])
+closed, result = Path(sys.argv[1]), Path(sys.argv[2])
 
 class Collecting:
     def collect(self):
@@ -469,7 +470,8 @@ collecting = actor.call.remote("collect")
 time.sleep(1.0)
 started = time.monotonic()
 ready, _ = ray.wait([actor.close.remote()], timeout=30)
-print(f"{'closed' if ready and closed.exists() else 'still waiting'} after {time.monotonic() - started:.0f} s")
+state = "closed" if ready and closed.exists() else "still waiting"
+result.write_text(f"{state} after {time.monotonic() - started:.0f} s")
 ray.kill(actor)
 ray.shutdown()
 '''
@@ -479,15 +481,17 @@ def test_a_rollout_worker_closes_while_a_collect_still_runs(tmp_path, env, ray_t
     """A run stopped mid-rollout (a SIGTERM, another worker's failure) closes its rollout workers:
     `close` queued behind the running `collect` until shutdown's 60 s ran out and it killed the
     actor, so a launched SGLang server and the last sync's weight files were never removed."""
-    process = subprocess.run([sys.executable, "-c", CLOSE_WHILE_COLLECTING, str(tmp_path / "closed")],
+    process = subprocess.run([sys.executable, "-c", CLOSE_WHILE_COLLECTING, str(tmp_path / "closed"),
+                              str(tmp_path / "result")],
                              capture_output=True, text=True, env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
-    assert re.fullmatch(r"closed after \d+ s", process.stdout.splitlines()[-1]), process.stdout
+    result = (tmp_path / "result").read_text()
+    assert re.fullmatch(r"closed after \d+ s", result), result
     assert (tmp_path / "closed").read_text() == "closed"
 
 
 RAISE_IN_A_WORKER = '''
-import ray
+import sys, ray
 from agentrl.errors import RunFailed
 from agentrl.trainer.ray_cluster import start_local_ray
 from agentrl.trainer.ray_groups import Supervisor
@@ -502,23 +506,25 @@ def validate():
     raise ValueError("2 problems in the batch\\n  advantages: missing\\n  For more, see the docs")
 
 start_local_ray([{"CPU": 1.0}])
+errors = []
 for task, what in ((update_on_rank_1, "update"), (validate, "validation")):
     try:
         Supervisor(600).wait([task.remote()], ["policy rank 1"], what)
     except RunFailed as e:
-        print(e)
+        errors.append(str(e))
+open(sys.argv[1], "w").write("\\n".join(errors))
 ray.shutdown()
 '''
 
 
-def test_a_worker_exception_is_reported_whole_with_its_traceback(env, ray_tmp):
+def test_a_worker_exception_is_reported_whole_with_its_traceback(tmp_path, env, ray_tmp):
     """The run's error kept only the last line of the worker's message (a multi-line message read
     'For more, see the docs'), and the worker's frames were printed nowhere, so nothing said where
     in the worker it failed."""
-    process = subprocess.run([sys.executable, "-c", RAISE_IN_A_WORKER], capture_output=True, text=True,
-                             env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
+    process = subprocess.run([sys.executable, "-c", RAISE_IN_A_WORKER, str(tmp_path / "errors")], capture_output=True,
+                             text=True, env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
-    assert process.stdout.splitlines()[-2:] == [
+    assert (tmp_path / "errors").read_text().splitlines() == [
         "policy rank 1 failed during update: KeyError: 'advantages'",
         "policy rank 1 failed during validation: ValueError: 2 problems in the batch advantages: missing For more, "
         "see the docs"]
@@ -527,7 +533,7 @@ def test_a_worker_exception_is_reported_whole_with_its_traceback(env, ray_tmp):
 
 
 PEER_DIES_IN_A_COLLECTIVE = '''
-import os, socket, time
+import os, socket, sys, time
 import ray
 from agentrl.errors import RunFailed
 from agentrl.trainer.ray_cluster import start_local_ray
@@ -562,17 +568,17 @@ try:
     supervisor.wait([ranks[0].update.remote(None), ranks[1].update.remote(port)],
                     ["policy rank 0", "policy rank 1"], "update")
 except RunFailed as e:
-    print(e)
+    open(sys.argv[1], "w").write(str(e))
 ray.shutdown()
 '''
 
 
-def test_a_rank_that_dies_in_a_collective_is_named_not_the_peer_that_lost_it(env, ray_tmp):
+def test_a_rank_that_dies_in_a_collective_is_named_not_the_peer_that_lost_it(tmp_path, env, ray_tmp):
     """Rank 0's collective fails the moment rank 1's process dies, before Ray notices the death:
     the run reported 'policy rank 0 failed during update: RuntimeError: ... Connection closed by
     peer', sending the user after the healthy rank."""
-    process = subprocess.run([sys.executable, "-c", PEER_DIES_IN_A_COLLECTIVE], capture_output=True, text=True,
-                             env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
+    process = subprocess.run([sys.executable, "-c", PEER_DIES_IN_A_COLLECTIVE, str(tmp_path / "error")],
+                             capture_output=True, text=True, env={**env, "RAY_TMPDIR": ray_tmp}, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
-    last = process.stdout.splitlines()[-1]
+    last = (tmp_path / "error").read_text()
     assert last.startswith("policy rank 1 failed during update: the process died"), last
