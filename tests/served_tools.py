@@ -5,6 +5,7 @@ whose results carry values that are no numbers."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from agentrl.tools.base import ToolResult, tool
 
@@ -119,6 +120,17 @@ async def retry_forever(url: str) -> str:
             await asyncio.sleep(0.05)
         except BaseException:  # noqa: BLE001 - the point of this tool
             pass
+
+
+@tool
+async def fetch_in_a_thread(url: str) -> str:
+    """Fetches a page with a blocking client handed to a thread, as advised; the page never comes.
+
+    Args:
+        url: The page.
+    """
+    await asyncio.to_thread(time.sleep, 3600)
+    return "page"
 
 
 class Scored:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import time
 
 import pytest
@@ -529,6 +530,28 @@ def test_the_tool_server_exits_on_sigterm_with_a_call_that_swallows_even_its_clo
             assert client.get("/stats").json()["abandoned_calls"] == 1  # it still runs, on no slot
         proc.terminate()  # uvicorn re-raises the signal once it has shut down: exit status -SIGTERM
         assert proc.wait(20) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_tool_server_exits_on_ctrl_c_with_a_call_hanging_in_a_thread(tmp_path):
+    """On Ctrl-C uvicorn shuts down and raises the KeyboardInterrupt again; closing its loop then
+    waited, with no limit, for the thread of a timed-out call's `asyncio.to_thread`."""
+    # Ctrl-C as a terminal delivers it, also when this test runs where SIGINT is ignored (a job
+    # started in the background by a non-interactive shell), which the child would inherit.
+    with_ctrl_c = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "sys.argv[0] = 'agentrl'; runpy.run_module('agentrl.cli', run_name='__main__')")
+    proc, url = start_server(tmp_path, "--call-timeout", "0.2", launcher=("-c", with_ctrl_c),
+                             tools_yaml="tools:\n  - class: tests.served_tools:fetch_in_a_thread\n")
+    try:
+        with api(url) as client:
+            instance = client.post("/instances", json={"tool": "fetch_in_a_thread"}).json()["instance_id"]
+            reply = client.post(f"/instances/{instance}/execute", json={"arguments": {"url": "x"}})
+            assert reply.json()["error"] == "TimeoutError: fetch_in_a_thread did not finish within 0.2 s"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130
+        assert proc.stderr.read().splitlines()[-1] == "agentrl: interrupted"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -43,8 +43,8 @@ tools:
 """
 
 
-def start_server(tmp_path: Path, *options: str, env_token: str | None = TOKEN,
-                 tools_yaml: str = TOOLS_YAML) -> tuple[subprocess.Popen, str]:
+def start_server(tmp_path: Path, *options: str, env_token: str | None = TOKEN, tools_yaml: str = TOOLS_YAML,
+                 launcher: tuple[str, ...] = ("-m", "agentrl.cli")) -> tuple[subprocess.Popen, str]:
     tools = tmp_path / "served.yaml"
     tools.write_text(tools_yaml)
     port = free_port()
@@ -52,7 +52,7 @@ def start_server(tmp_path: Path, *options: str, env_token: str | None = TOKEN,
     env.pop("AGENTRL_TOOL_TOKEN", None)
     if env_token:
         env["AGENTRL_TOOL_TOKEN"] = env_token
-    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "tools", "serve", str(tools), "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, *launcher, "tools", "serve", str(tools), "--host", "127.0.0.1",
                              "--port", str(port), *options], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

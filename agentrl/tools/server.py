@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.finite import finite_number
 from agentrl.tools.base import REWARD_LIMIT, Tool, ToolResult, argument_problem, as_text, tool_name
-from agentrl.tools.threads import CallTimeout, abandoned_calls, call_plugin, failure_text
+from agentrl.tools.threads import CallTimeout, abandoned_calls, call_plugin, failure_text, run_with_daemon_threads
 
 
 DISCONNECT_POLL_S = 0.25  # how often a running call checks that its client is still there
@@ -453,6 +453,9 @@ def serve(path: str, host: str, port: int, settings: ServerSettings) -> None:
         app = create_app(tools, settings)
         names = ", ".join(tool_name(t) for t in tools)
         print(f"agentrl: serving {len(tools)} tool(s) from {path} ({names}) on http://{host}:{port}", file=sys.stderr)
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+        # Not uvicorn.run: its loop's default executor is a plain thread pool, and on Ctrl-C the loop's
+        # closing waited, with no limit, for a plug-in's `asyncio.to_thread` call that hangs.
+        run_with_daemon_threads(server.serve())
     finally:  # a tool's own resources (an MCP server's process, a remote source's connections)
         close_tools(tools)
