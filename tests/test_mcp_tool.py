@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shlex
 import socket
 import subprocess
@@ -112,6 +113,19 @@ def test_allow_list_name_the_server_lacks_is_a_config_error(tmp_path):
         "(it offers: authorization, calls_so_far, delete_everything, multiply, ramble)")
     time.sleep(0.5)
     assert not server_running(marker)  # the connection opened to check was closed again
+
+
+@pytest.mark.parametrize("key,value", [("connect_timeout_s", 1e10), ("connect_timeout_s", math.inf),
+                                       ("timeout_s", 0.0), ("timeout_s", math.nan)])
+def test_a_timeout_that_is_no_usable_number_of_seconds_is_named_and_no_server_starts(key, value):
+    """They were taken as given: past threading.TIMEOUT_MAX the wait for the connection raised
+    OverflowError, blamed on the server, and the server it had started stayed up; 0 or NaN failed
+    every call as the server's fault."""
+    marker = f"agentrl-mcp-{uuid.uuid4().hex}"
+    with pytest.raises(ValueError) as e:
+        MCPTools(["multiply"], command=[sys.executable, "tests/mcp_server.py", marker], **{key: value})
+    assert str(e.value) == f"'{key}' must be a finite number of seconds above 0 and at most 86400, not {value}"
+    assert not server_running(marker)
 
 
 def http_server(port: int) -> subprocess.Popen:

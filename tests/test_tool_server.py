@@ -556,16 +556,22 @@ def test_an_answer_that_is_not_the_servers_json_is_a_tool_error_and_not_sent_aga
     ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, timeout_s: 0}}",
      "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
      "{'url': 'URL', 'token': '***', 'timeout_s': 0.0} failed: 'timeout_s' must be a finite number of seconds above "
-     "0, not 0.0"),
+     "0 and at most 86400, not 0.0"),
     ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, connect_timeout_s: .inf}}",
      "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
      "{'url': 'URL', 'token': '***', 'connect_timeout_s': inf} failed: 'connect_timeout_s' must be a finite number "
-     "of seconds above 0, not inf"),
+     "of seconds above 0 and at most 86400, not inf"),
+    # past threading.TIMEOUT_MAX, a thread's wait for the connection raised OverflowError
+    ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, timeout_s: 1.0e+10}}",
+     "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
+     "{'url': 'URL', 'token': '***', 'timeout_s': 10000000000.0} failed: 'timeout_s' must be a finite number of "
+     "seconds above 0 and at most 86400, not 10000000000.0"),
     ("{class: agentrl.tools.remote:RemoteTools, config: {url: 'URL', token: hunter2, backoff_s: -1}}",
      "tool #1 (class 'agentrl.tools.remote:RemoteTools'): constructing agentrl.tools.remote:RemoteTools with config "
      "{'url': 'URL', 'token': '***', 'backoff_s': -1.0} failed: 'backoff_s' must be a finite number of seconds "
-     "(0 or more), not -1.0"),
-], ids=["negative_retries", "schema_key", "no_room_for_an_answer", "no_time", "endless_connect", "negative_backoff"])
+     "(0 or more) and at most 86400, not -1.0"),
+], ids=["negative_retries", "schema_key", "no_room_for_an_answer", "no_time", "endless_connect", "past_a_day",
+         "negative_backoff"])
 def test_a_mistake_in_a_remote_entry_is_reported_even_when_the_server_is_down(tmp_path, entry, problem):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     path = tmp_path / "remote.yaml"

@@ -56,7 +56,7 @@ class BackgroundLoop:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
+        except BaseException:  # a timeout, a Ctrl-C, a wait too long for this platform: no work left behind
             future.cancel()
             raise
 

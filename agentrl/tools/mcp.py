@@ -57,7 +57,7 @@ from typing import Any
 from agentrl.tools.background_loop import BackgroundLoop
 from agentrl.tools.base import Tool, ToolResult
 from agentrl.tools.loader import url_shown
-from agentrl.tools.remote import unsendable
+from agentrl.tools.remote import seconds_problem, unsendable
 
 # Maps keyed by property (or definition) name, whose keys are never annotations: a property called
 # "title" stays. dependentRequired's values are name lists, which the walk leaves as they are.
@@ -88,6 +88,10 @@ class MCPTools:
             raise ValueError("'env' sets a stdio server's environment; an HTTP server ('url') takes 'headers'")
         if command is not None and headers is not None:
             raise ValueError("'headers' go with an HTTP server ('url'); a stdio server ('command') takes 'env'")
+        for key, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            problem = seconds_problem(key, value)
+            if problem:
+                raise ValueError(problem)
         self.label = url_shown(url) if url is not None else command if isinstance(command, str) else shlex.join(command)
         self.timeout_s, self.connect_timeout_s, self.reconnect = timeout_s, connect_timeout_s, reconnect
         if url is not None:

@@ -66,6 +66,17 @@ class RemoteToolError(RuntimeError):
         self.refused = refused
 
 
+MAX_SECONDS = 86_400.0  # a day; past threading.TIMEOUT_MAX (~292 years) a thread's wait raised OverflowError
+
+
+def seconds_problem(key: str, value: float, zero_allowed: bool = False) -> str | None:
+    """Why `value` cannot be the config key `key`'s seconds (a timeout, a backoff), or None."""
+    if math.isfinite(value) and (value >= 0 if zero_allowed else value > 0) and value <= MAX_SECONDS:
+        return None
+    return (f"'{key}' must be a finite number of seconds {'(0 or more)' if zero_allowed else 'above 0'} "
+            f"and at most {MAX_SECONDS:g}, not {value}")
+
+
 class RemoteTools:
     """A tool server as one tool-file entry; `tools()` gives one Tool per selected remote tool."""
 
@@ -85,11 +96,11 @@ class RemoteTools:
             raise ValueError(f"'retries' must be 0 or more (0: one attempt, no retry), not {retries}")
         if not max_response_mb > 0:
             raise ValueError(f"'max_response_mb' must be more than 0, not {max_response_mb}")
-        for key, value, least in (("timeout_s", timeout_s, 0), ("connect_timeout_s", connect_timeout_s, 0),
-                                  ("backoff_s", backoff_s, None)):
-            if not (math.isfinite(value) and (value > least if least is not None else value >= 0)):
-                raise ValueError(f"'{key}' must be a finite number of seconds "
-                                 f"{'above 0' if least is not None else '(0 or more)'}, not {value}")
+        for key, value, zero_allowed in (("timeout_s", timeout_s, False),
+                                         ("connect_timeout_s", connect_timeout_s, False), ("backoff_s", backoff_s, True)):
+            problem = seconds_problem(key, value, zero_allowed)
+            if problem:
+                raise ValueError(problem)
         self.url, self.retries, self.backoff_s = url.rstrip("/"), retries, backoff_s
         self.shown = url_shown(self.url)  # what messages show: no password or query string
         self.max_response_bytes = int(max_response_mb * 2**20)
