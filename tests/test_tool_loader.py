@@ -173,6 +173,15 @@ def test_yaml_schema_overrides_and_config_reaches_constructor(tmp_path):
      "parameters: {type: object, properties: {on: {type: boolean}}}}}\n",
      "tool 's' (#1): schema.function.parameters.properties: key True is not text (YAML reads unquoted on, off, yes "
      "and no as booleans, digits as numbers: quote it)"),
+    # YAML reads an unquoted date as a date, which the metaschema lets through as a value: the
+    # template failed on it later, naming nothing, and calls were checked against the date.
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, parameters: {type: object, "
+     "properties: {expression: {type: string, default: 2024-01-31}}}}}\n",
+     "tool 'c' (#1): schema.function.parameters.properties.expression.default: '2024-01-31' is a date, not a JSON "
+     "value (YAML reads an unquoted date or time as one: quote it)"),
+    ("tools:\n  - class: calculator\n    schema: {type: function, function: {name: c, parameters: {type: object, "
+     "properties: {expression: {enum: [a, .nan]}}}}}\n",
+     "tool 'c' (#1): schema.function.parameters.properties.expression.enum[1]: nan is not a JSON number"),
 ])
 def test_bad_tool_files(tmp_path, body, message):
     path = write(tmp_path, body)
@@ -216,6 +225,45 @@ def test_refs_that_resolve_inside_the_schema_load(tmp_path):
 def calculate_more(expression: str, more: list[str] | None = None) -> str:
     """The calculator with extra inputs, for the schema above."""
     return expression
+
+
+def _look_up(key):  # no type hints, no docstring: only the schema it is wrapped with describes it
+    return f"value of {key}"
+
+
+look_up = FunctionTool(_look_up, max_workers=3, schema={"type": "function", "function": {
+    "name": "look_up", "description": "Look a key up.",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}})
+
+
+def test_a_function_tool_made_in_a_module_keeps_its_own_schema_and_threads(tmp_path):
+    """The loader rebuilt it from the bare function: a schema that was the only description of
+    the function failed to load ('cannot derive one'), one that renamed the tool was dropped."""
+    path = write(tmp_path, "tools:\n  - class: tests.test_tool_loader:look_up\n")
+    [tool] = load_tools(path)
+    assert tool is not look_up and tool.schema == look_up.schema and tool.max_workers == 3
+    assert asyncio.run(tool.execute("i", {"key": "k"})).text == "value of k"
+    path = write(tmp_path, "tools:\n  - class: tests.test_tool_loader:look_up\n    schema: {type: function, function: "
+                           "{name: find, parameters: {type: object, properties: {key: {type: string}}, "
+                           "required: [key]}}}\n")
+    [renamed] = load_tools(path)
+    assert renamed.schema["function"]["name"] == "find" and look_up.schema["function"]["name"] == "look_up"
+
+
+def test_an_entry_point_plugin_that_exits_on_import_is_named(tmp_path, monkeypatch):
+    """A plug-in that parses the command line when imported: through an entry point, its
+    SystemExit ended the process with the plug-in's usage message, naming no tool file."""
+    (tmp_path / "quits_on_import.py").write_text("import sys\nsys.exit(2)\n")
+    dist = tmp_path / "quits_on_import-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: quits-on-import\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[agentrl.tools]\nquitter = quits_on_import:Search\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path, "tools:\n  - class: quitter\n")
+    with pytest.raises(ConfigError) as e:
+        load_tools(path)
+    assert str(e.value) == (f"{path}: tool #1 (class 'quitter'): cannot load entry point 'quitter' = "
+                            "'quits_on_import:Search' (SystemExit: 2)")
 
 
 def test_duplicate_across_files(tmp_path):

@@ -97,7 +97,7 @@ class FunctionTool:
     """
 
     def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None, max_workers: int = 64):
-        self.fn = fn
+        self.fn, self.max_workers = fn, max_workers
         self.schema = schema or function_schema(fn)
         self.parameter_names = keyword_names(fn)
         self._adapters = argument_adapters(fn)

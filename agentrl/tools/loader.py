@@ -49,7 +49,11 @@ def resolve_reference(ref: str, group: str = ENTRY_POINT_GROUP) -> Any:
         matches = [ep for ep in entry_points(group=group) if ep.name == ref]
         if not matches:
             raise ValueError(f"'{ref}' is neither 'module:attr' nor a registered {group} entry point")
-        return matches[0].load()
+        try:
+            return matches[0].load()
+        except (Exception, SystemExit) as e:  # as an import below: named, not the process ended
+            raise ValueError(f"cannot load entry point '{ref}' = '{matches[0].value}' "
+                             f"({type(e).__name__}: {e})") from None
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -132,8 +136,10 @@ def _instantiate(entry: Any) -> Any:
     if isinstance(obj, FunctionTool) or callable(obj):
         if config:
             raise ValueError("key 'config' is only for tool classes, not functions")
-        # A fresh wrapper, so a schema given here never changes the shared module-level tool.
-        return _function_tool(obj.fn if isinstance(obj, FunctionTool) else obj, entry.get("schema"))
+        if isinstance(obj, FunctionTool):  # a fresh wrapper: a schema given here never changes the
+            # shared module-level tool; without one, the tool keeps its own schema and thread count
+            return _function_tool(obj.fn, entry.get("schema", obj.schema), obj.max_workers)
+        return _function_tool(obj, entry.get("schema"))
     raise ValueError(f"'{entry['class']}' is not a tool class or function")
 
 
@@ -250,14 +256,14 @@ def calls_problem(instance: Any) -> str | None:
     return None
 
 
-def _function_tool(fn: Any, schema: Any) -> FunctionTool:
+def _function_tool(fn: Any, schema: Any, max_workers: int = 64) -> FunctionTool:
     if schema is not None:
         problem = _signature_mismatch(fn, schema)
         if problem:
             raise ValueError(problem)
-        return FunctionTool(fn, schema=schema)
+        return FunctionTool(fn, schema=schema, max_workers=max_workers)
     try:
-        return FunctionTool(fn)
+        return FunctionTool(fn, max_workers=max_workers)
     except Exception as e:
         raise ValueError(f"no schema: cannot derive one from the function ({e})") from None
 

@@ -8,6 +8,7 @@ stop the run before any work.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 from urllib.parse import unquote
@@ -41,7 +42,7 @@ def check_schema(schema: Any) -> str | None:
     if "strict" in fn and not isinstance(fn["strict"], bool):
         return f"schema.function.strict must be true or false, not {fn['strict']!r}"
     params = fn.get("parameters", {"type": "object", "properties": {}})
-    problem = _key_not_text(params, "schema.function.parameters")
+    problem = _not_json(params, "schema.function.parameters")
     if problem:
         return problem
     if not isinstance(params, dict) or params.get("type") != "object":
@@ -63,23 +64,31 @@ def check_schema(schema: Any) -> str | None:
     return None
 
 
-def _key_not_text(node: Any, where: str) -> str | None:
-    """Where a mapping of `node` has a key that is not text, or None. JSON keys are text, but YAML
-    1.1 reads an unquoted `on`, `no` or `yes` as a boolean and `1` as a number: such a property
-    would be shown to the model as true and never be checked against a call."""
+def _not_json(node: Any, where: str) -> str | None:
+    """Where `node` holds a key that is not text or a value that is not JSON, or None. YAML 1.1
+    reads an unquoted `on`, `no` or `yes` as a boolean and `1` as a number: such a property would be
+    shown to the model as true and never be checked against a call. It reads an unquoted date as a
+    date (and `!!set`, `!!binary` as Python objects), which the metaschema lets through as a
+    `default` or an `enum` value: the template failed on it later, naming nothing, and every call
+    was refused against it."""
     if isinstance(node, dict):
         for key, value in node.items():
             if not isinstance(key, str):
                 return (f"{where}: key {key!r} is not text (YAML reads unquoted on, off, yes and no as booleans, "
                         "digits as numbers: quote it)")
-            problem = _key_not_text(value, f"{where}.{key}")
+            problem = _not_json(value, f"{where}.{key}")
             if problem:
                 return problem
     elif isinstance(node, list):
         for i, item in enumerate(node):
-            problem = _key_not_text(item, f"{where}[{i}]")
+            problem = _not_json(item, f"{where}[{i}]")
             if problem:
                 return problem
+    elif isinstance(node, float) and not math.isfinite(node):
+        return f"{where}: {node} is not a JSON number"
+    elif not isinstance(node, str | int | float | None):  # bool is an int
+        return (f"{where}: {str(node)[:80]!r} is a {type(node).__name__}, not a JSON value (YAML reads an unquoted "
+                "date or time as one: quote it)")
     return None
 
 
