@@ -281,3 +281,75 @@ def test_calls_are_rendered_after_content_that_only_mentions_a_tool_call_block(t
     held = [mention[0], {"role": "assistant", "content": "Let me.\n" + sampled, "tool_calls": [call]}]
     assert tokenizer.apply_chat_template(held, tokenize=False).endswith(
         "<|im_start|>assistant\nLet me.\n" + sampled + "<|im_end|>\n")
+
+
+class WrongThenDone:
+    """A user that says the first answer is wrong, then ends the episode (GSM8K's retry interaction)."""
+
+    def __init__(self):
+        self.replies = 0
+
+    async def start(self, task):
+        return None
+
+    async def respond(self, messages):
+        from agentrl.env.interaction import Turn
+
+        self.replies += 1
+        return Turn("Wrong, try again.", done=self.replies > 1)
+
+    async def finish(self):
+        return None
+
+
+def test_a_reasoning_template_that_renders_the_last_turn_otherwise_continues_on_the_fallback():
+    """Reasoning templates (Qwen3's shape) give the last assistant message a think block, empty or
+    not, and drop the reasoning of turns a user message follows: the fallback's own base turn then
+    rendered otherwise once messages followed it, and every such episode failed with a
+    TemplateError (a retry after a wrong answer, a call after an empty think block)."""
+    import asyncio
+    from pathlib import Path
+
+    from agentrl.models import load_tokenizer
+
+    thinking = load_tokenizer("smollm2-135m-instruct", str(Path(__file__).parent / "fixtures" /
+                                                            "thinks_on_the_last_turn.jinja"))
+    task = Task(id="t", prompt="What is 6 * 7?")
+    engine = ScriptedEngine(thinking, ["<think>\nSix sevens.\n</think>\n\nIt is 41.",
+                                       "<think>\nRecount.\n</think>\n\nIt is 42."])
+    runner = EpisodeRunner(engine, thinking, [], parse_hermes, EpisodeSettings(), interaction_factory=WrongThenDone)
+    traj = asyncio.run(runner.run(task, group_id="g"))
+    assert (traj.finish, traj.error, traj.metrics["template_fallbacks"]) == ("stop", None, 1.0)
+    turn1, turn2 = engine.turns
+    # '\n' <|im_start|> 'user' '\n' the reply <|im_end|> '\n' <|im_start|> 'ass' 'istant' '\n'
+    reply = thinking("Wrong, try again.", add_special_tokens=False)["input_ids"]
+    suffix = [198, 1, 4093, 198, *reply, 2, 198, 1, 520, 9531, 198]
+    prompt_ids = engine.prompts[0]
+    assert engine.prompts[1] == prompt_ids + turn1 + suffix
+    assert traj.token_ids == prompt_ids + turn1 + suffix + turn2
+    assert traj.loss_mask == [0] * len(prompt_ids) + [1] * len(turn1) + [0] * len(suffix) + [1] * len(turn2)
+
+    empty_think = '<think>\n\n</think>\n\n' + CALL.replace("1234 * 5678", "6 * 7")
+    engine = ScriptedEngine(thinking, [empty_think, "<think>\n\n</think>\n\nIt is 42."])
+    runner = EpisodeRunner(engine, thinking, [calculator], parse_hermes, EpisodeSettings())
+    traj = asyncio.run(runner.run(task, group_id="g"))
+    assert (traj.finish, traj.error, traj.metrics["tool_calls"], traj.metrics["tool_errors"]) == ("stop", None, 1, 0)
+    suffix = engine.prompts[1][len(engine.prompts[0]) + len(engine.turns[0]):]
+    assert thinking.decode(suffix) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                                       "<|im_start|>assistant\n")
+
+
+def test_a_template_that_ends_no_finished_turn_fails_the_episode_naming_why(tokenizer):
+    import asyncio
+    import copy
+
+    unended = copy.deepcopy(tokenizer)  # the end token only after the last message: none to continue after
+    unended.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}[A] "
+                             "{{ m['content'] }}<|im_end|>{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}"
+                             "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    runner = EpisodeRunner(ScriptedEngine(unended, ["It is 41.", "It is 42."]), unended, [], parse_hermes,
+                           EpisodeSettings(), interaction_factory=WrongThenDone)
+    traj = asyncio.run(runner.run(Task(id="t", prompt="What is 6 * 7?"), group_id="g"))
+    assert (traj.finish, traj.error) == ("error", "TemplateError: the chat template renders a finished assistant "
+                                         "turn, once messages follow it, without the end-of-turn token it stopped "
+                                         "on, so no suffix for the new messages can be derived")

@@ -229,18 +229,34 @@ class ChatRenderer:
                 history + marked, add_generation_prompt=True)[len(current):], limit), False
         base = self.render_text(_FALLBACK_BASE, add_generation_prompt=False)
         extended = self.render_text(_FALLBACK_BASE + new, add_generation_prompt=True)
-        if not extended.startswith(base):
-            raise TemplateError("the chat template re-renders a finished assistant turn when messages follow it, "
-                                "so no suffix for the new messages can be derived")
         # What the template puts after a turn's end token (a newline, for ChatML) is not sampled:
         # it is the start of the suffix. The end token is the one the turn stopped on, which need
         # not be the tokenizer's eos (Qwen's base models: eos <|endoftext|>, turns end <|im_end|>).
         stopped_on = current_ids[-1:] if current_ids and current_ids[-1] in self.tokenizer.all_special_ids else []
         ended = self.decode(stopped_on)
-        end = ended if ended and ended in base else (self.tokenizer.eos_token or "")
-        boundary = base[base.rfind(end) + len(end):] if end and end in base else ""
-        return self.encode_rendered(boundary + extended[len(base):], new, lambda marked: boundary + self.render_text(
-            _FALLBACK_BASE + marked, add_generation_prompt=True)[len(base):], limit), True
+        if extended.startswith(base):
+            end = ended if ended and ended in base else (self.tokenizer.eos_token or "")
+            boundary = base[base.rfind(end) + len(end):] if end and end in base else ""
+            start = len(base)
+        else:
+            # The base's assistant turn renders otherwise as the last message than once messages
+            # follow it (reasoning templates give the last one a think block, empty or not): the
+            # suffix starts after that turn's end token as `extended` renders it.
+            boundary, start = "", self._after_base_reply(extended, ended)
+        return self.encode_rendered(boundary + extended[start:], new, lambda marked: boundary + self.render_text(
+            _FALLBACK_BASE + marked, add_generation_prompt=True)[start:], limit), True
+
+    def _after_base_reply(self, extended: str, ended: str) -> int:
+        """Where, in a rendering of the fallback base followed by messages, the text after the base
+        assistant turn's end token starts; TemplateError where that turn cannot be found."""
+        head = self.render_text(_FALLBACK_BASE[:1], add_generation_prompt=False)
+        reply = extended.find(_FALLBACK_BASE[1]["content"], len(head)) if extended.startswith(head) else -1
+        for end in dict.fromkeys(e for e in (ended, self.tokenizer.eos_token) if e):
+            at = extended.find(end, reply) if reply >= 0 else -1
+            if at >= 0:
+                return at + len(end)
+        raise TemplateError("the chat template renders a finished assistant turn, once messages follow it, without "
+                            "the end-of-turn token it stopped on, so no suffix for the new messages can be derived")
 
     def assistant_turn_ids(self, history: list[dict[str, Any]], message: dict[str, Any]) -> tuple[list[int], bool]:
         """Ids a policy would sample for a given assistant message (content, tool calls, end-of-turn
