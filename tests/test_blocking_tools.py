@@ -114,6 +114,20 @@ def test_daemon_executor_bounds_concurrency_and_skips_cancelled_calls():
     assert sorted(started) == [0, 1, 2] and executor.running == 0
 
 
+def test_a_grown_executor_starts_the_calls_queued_for_a_slot():
+    executor = DaemonExecutor(max_workers=1)
+    release = threading.Event()
+    first = executor.submit(release.wait, 10)
+    queued = executor.submit(lambda: "ran")
+    assert (executor.running, executor.waiting) == (1, 1)
+    executor.grow(2)
+    assert queued.result(5) == "ran" and not first.done()  # it did not wait for the first call
+    executor.grow(1)  # never shrinks
+    assert executor.max_workers == 2
+    release.set()
+    assert first.result(5) is True
+
+
 def test_name_lookups_are_not_queued_behind_hung_plugin_calls():
     # A plug-in's hung to_thread calls fill the default executor; the loop's getaddrinfo (every
     # connection to a host name) still answers. A numeric address: no query leaves the machine.
@@ -206,3 +220,79 @@ def test_sync_calls_given_up_on_count_as_abandoned_while_their_threads_still_run
         return counts
 
     assert asyncio.run(main()) == [0, 2, 0]
+
+
+
+def _rollout(tokenizer, tool, episodes, reward_fn=None, calls=4):
+    """`episodes` at once, each one turn of `calls` parallel calls of `tool`, then an answer."""
+    from agentrl.env.tool_env import ToolLimits
+    from agentrl.rollout.collect import run_episodes
+    from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+    from agentrl.tools.parsers import parse_hermes
+    from agentrl.types import Completion, Task
+
+    call = '<tool_call>\n{"name": "%s", "arguments": {"query": "q"}}\n</tool_call>' % tool.schema["function"]["name"]
+    turns = [tokenizer("\n".join([call] * calls), add_special_tokens=False)["input_ids"] + [2],
+             tokenizer("Done.", add_special_tokens=False)["input_ids"] + [2]]
+
+    class Engine:  # the policy's side only: what it samples is scripted, per episode by its turn
+        weight_version = 0
+
+        async def generate(self, token_ids, sampling):
+            ids = turns[0 if token_ids.count(1) < 4 else 1]  # <|im_start|>: (system,) user, assistant
+            return Completion(ids, [-0.5] * len(ids), "stop", 0)
+
+    settings = EpisodeSettings(max_turns=2, tool_limits=ToolLimits(timeout_s=60.0), reward_timeout_s=60.0)
+    runner = EpisodeRunner(Engine(), tokenizer, [tool], parse_hermes, settings, reward_fn=reward_fn)
+    tasks = [Task(id=f"t{i}", prompt="Look it up.") for i in range(episodes)]
+    return run_episodes(runner, tasks, group_size=1, max_concurrent=episodes)
+
+
+def test_every_call_the_episodes_can_make_at_once_gets_a_thread(tokenizer):
+    """The timeout counts a call's wait for a thread (a tool whose threads all hang must not hold
+    its episodes forever), so healthy calls queued behind a tool's 64 threads, or the loop's 32
+    (`asyncio.to_thread`, graders), timed out. A rollout lets each take all its episodes can make.
+    Each call waits on a barrier that only opens once all of them run at once."""
+    from agentrl.tools.base import FunctionTool, tool
+
+    barrier = threading.Barrier(20 * 4, timeout=20)  # 20 episodes x 4 parallel calls
+
+    @tool
+    def lookup(query: str) -> str:
+        """Looks a query up.
+
+        Args:
+            query: What to look up.
+        """
+        barrier.wait()
+        return "found"
+
+    @tool
+    async def fetch(query: str) -> str:
+        """Fetches a query's page with a blocking client, off the event loop.
+
+        Args:
+            query: What to fetch.
+        """
+        await asyncio.to_thread(barrier.wait)
+        return "found"
+
+    for used in (lookup, fetch):
+        barrier.reset()
+        trajectories = _rollout(tokenizer, used, episodes=20)
+        assert [(t.finish, t.error) for t in trajectories] == [("stop", None)] * 20, used.schema
+        assert [t.metrics["tool_errors"] for t in trajectories] == [0] * 20
+        assert [m["content"] for m in trajectories[0].messages if m["role"] == "tool"] == ["found"] * 4
+
+    graders = threading.Barrier(40, timeout=20)
+
+    def grade(task, messages):
+        graders.wait()
+        return 1.0
+
+    trajectories = _rollout(tokenizer, lookup, episodes=40, reward_fn=grade, calls=0)
+    assert [(t.finish, t.error, t.reward) for t in trajectories] == [("stop", None, 1.0)] * 40
+
+    limited = FunctionTool(lookup.fn, max_workers=2)  # a bound of its own (a service taking 2 at once) stays
+    limited.allow_calls(100)
+    assert limited._threads.max_workers == 2

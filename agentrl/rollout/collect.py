@@ -15,8 +15,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from agentrl.env.tool_env import ToolLimits
 from agentrl.errors import RunFailed
-from agentrl.rollout.episode import EpisodeRunner
+from agentrl.rollout.episode import EpisodeRunner, EpisodeSettings
+from agentrl.tools.base import FunctionTool
 from agentrl.tools.threads import run_with_daemon_threads
 from agentrl.types import Task, Trajectory, derive_seed
 
@@ -27,6 +29,9 @@ async def collect(runner: EpisodeRunner, tasks: list[Task], group_size: int, max
     episode i of that order samples with seed derive_seed(seed, i): the same tokens however the
     episodes' turns interleave (on an engine that takes seeds; the transformers engine does)."""
     gate = asyncio.Semaphore(max_concurrent)
+    for tool in runner.tools:
+        if isinstance(tool, FunctionTool):
+            tool.allow_calls(max_concurrent * calls_at_once(runner.settings))
 
     async def one(task: Task, i: int) -> Trajectory:
         async with gate:
@@ -44,11 +49,20 @@ def run_episodes(runner: EpisodeRunner, tasks: list[Task], group_size: int, max_
     """`collect` from synchronous code (the CLI commands and the training driver). Returns once the
     engine's decode thread, if it has one, has stopped too."""
     try:
-        return run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent, on_done, seed))
+        # Threads for every grader and every `asyncio.to_thread` of the tools the episodes can run
+        # at once: calls queued for one timed out (the wait counts, as a hung call's must).
+        threads = max(32, max_concurrent * (calls_at_once(runner.settings) + 1))
+        return run_with_daemon_threads(collect(runner, tasks, group_size, max_concurrent, on_done, seed), threads)
     finally:  # also after a Ctrl-C: the thread then stops within a step, its callers gone
         wait_idle = getattr(runner.engine, "wait_idle", None)
         if wait_idle is not None:
             wait_idle()
+
+
+def calls_at_once(settings: EpisodeSettings) -> int:
+    """Tool calls one episode can have running at the same time."""
+    limits = settings.tool_limits or ToolLimits()
+    return limits.max_calls_per_turn if limits.parallel_calls else 1
 
 
 def check_failures(what: str, trajectories: list[Trajectory], max_fraction: float) -> None:

@@ -92,18 +92,28 @@ class FunctionTool:
     A synchronous function runs on this tool's own daemon threads (at most `max_workers` at once,
     started as calls come), never on the event loop or on threads the engine or the loop's shutdown
     wait for: a call that hangs costs its episode one timeout, and a run or process can still end.
-    Calls past `max_workers` wait, and the wait counts toward their timeout, so the default lets
-    every episode of a usual rollout (64 at once) call at the same time.
+    Calls past `max_workers` wait, and the wait counts toward their timeout (a tool whose threads
+    all hang cannot hold its episodes forever). So without a `max_workers` of its own (a service
+    that takes only so many requests at once), a rollout lets as many calls run together as its
+    episodes can make at once (`allow_calls`), and never fewer than DEFAULT_WORKERS.
     """
 
-    def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None, max_workers: int = 64):
+    DEFAULT_WORKERS = 64
+
+    def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None, max_workers: int | None = None):
         self.fn, self.max_workers = fn, max_workers
         self.schema = schema or function_schema(fn)
         self.parameter_names = keyword_names(fn)
         self._adapters = argument_adapters(fn)
         # unwrap: an `async def` behind a functools.wraps decorator returns a coroutine to await
         self._threads = None if inspect.iscoroutinefunction(inspect.unwrap(fn)) else DaemonExecutor(
-            max_workers, name=getattr(fn, "__name__", "tool"))
+            self.DEFAULT_WORKERS if max_workers is None else max_workers, name=getattr(fn, "__name__", "tool"))
+
+    def allow_calls(self, at_once: int) -> None:
+        """Let `at_once` calls run together (what a rollout's episodes can make at once), unless
+        the tool was given its own `max_workers`: healthy calls queued for a thread timed out."""
+        if self._threads is not None and self.max_workers is None:
+            self._threads.grow(at_once)
 
     def convert_arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """The JSON arguments as the function's type hints take them (an Enum member for its value,

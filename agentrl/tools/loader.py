@@ -256,7 +256,7 @@ def calls_problem(instance: Any) -> str | None:
     return None
 
 
-def _function_tool(fn: Any, schema: Any, max_workers: int = 64) -> FunctionTool:
+def _function_tool(fn: Any, schema: Any, max_workers: int | None = None) -> FunctionTool:
     if schema is not None:
         problem = _signature_mismatch(fn, schema)
         if problem:

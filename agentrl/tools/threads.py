@@ -95,6 +95,15 @@ class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
             threading.Thread(target=self._work, name=f"{self.name}-{next(_names)}", daemon=True).start()
         return future
 
+    def grow(self, max_workers: int) -> None:
+        """Let at least `max_workers` calls run at once from now on (queued ones start at once)."""
+        with self._lock:
+            self.max_workers = max(self.max_workers, max_workers)
+            start = max(0, min(len(self._pending), self.max_workers - self._slots_taken))
+            self._slots_taken += start
+        for _ in range(start):
+            threading.Thread(target=self._work, name=f"{self.name}-{next(_names)}", daemon=True).start()
+
     def _next(self) -> _Work | None:
         """The oldest queued call that was not cancelled, marked running; None gives the slot back."""
         with self._lock:
