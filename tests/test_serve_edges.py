@@ -191,6 +191,21 @@ def test_options_that_change_the_answer_are_refused_not_dropped(tokenizer, extra
             "content"] == ANSWER
 
 
+def test_a_requests_seed_reaches_the_engine_except_under_the_recipes_sampling(tokenizer):
+    """`seed` was accepted and dropped, so the same seeded request sampled other tokens each time.
+    OpenAI's seed is an int64: a negative one is taken modulo 2**64, the engine's range."""
+    engine = ScriptedEngine(tokenizer, [ANSWER] * 4)
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    for seed in (7, -1, None):
+        body = {"messages": TASK.messages(), **({} if seed is None else {"seed": seed})}
+        asyncio.run(ask(service, body, None))
+    assert engine.seeds == [7, 2**64 - 1, None]
+    # agent episodes for training: a group's episodes sending one seed would all sample alike
+    training = ChatService(engine, tokenizer, parse_hermes, ServeSettings(fixed_sampling=True))
+    asyncio.run(ask(training, {"messages": TASK.messages(), "seed": 7}, None))
+    assert engine.seeds[-1] is None
+
+
 @pytest.mark.parametrize("depth", [65, 5000])
 def test_call_arguments_nested_deeper_than_a_template_renders_are_a_400(tokenizer, depth):
     """5000 levels made json.loads raise RecursionError: a 500, which the openai client retries."""

@@ -8,8 +8,10 @@ reasoning effort, none of the legacy `functions`/`function_call` fields. Such op
 with a message naming them rather than ignored, because ignoring them would hand a client
 something other than what it asked for; their neutral values (null, zero, `logit_bias: {}`,
 `response_format: {"type": "text"}`, `parallel_tool_calls: true`, `modalities: ["text"]`) are
-accepted. Fields this endpoint does not know are ignored: clients send many optional ones
-(`seed`, which sampling here does not take, `metadata`, a message's `refusal`, ...).
+accepted. `seed` gives the request a random stream of its own (the same seeded request samples
+the same tokens), except where the recipe's sampling wins (agent episodes for training, whose
+turns take seeds of the episode's). Fields this endpoint does not know are ignored: clients send
+many optional ones (`metadata`, a message's `refusal`, ...).
 
 This module does not sample, keep sessions or speak HTTP.
 """
@@ -122,6 +124,7 @@ class ChatRequest(_Strict):
     function_call: str | dict[str, Any] | None = None
     user: str | None = None
     reasoning_effort: str | None = None
+    seed: int | None = None  # OpenAI's is an int64; any integer is taken, modulo 2**64
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatRequest":

@@ -174,7 +174,10 @@ class ChatService:
             budget = asked or s.max_new_tokens
             temperature = s.temperature if request.temperature is None else request.temperature
             top_p = s.top_p if request.top_p is None else request.top_p
-        seed = None if session is None or session.seed is None else derive_seed(session.seed, session.turns)
+        if session is not None and session.seed is not None:
+            seed = derive_seed(session.seed, session.turns)
+        else:  # a group's episodes must not share one stream: under fixed sampling the request's is not taken
+            seed = None if s.fixed_sampling or request.seed is None else request.seed % 2**64
         return SamplingParams(min(budget, room), temperature, top_p, self.stop_ids, seed)
 
     async def _generate(self, ids: list[int], sampling: SamplingParams) -> Completion:
