@@ -141,6 +141,42 @@ def test_logprobs_bytes_of_tokens_that_hold_part_of_a_character(tokenizer):
     assert TokenBytes(word_level)(0, " €") == " €".encode() and TokenBytes(tokenizer)(euro[1], "\ufffd") == b"\x82"
 
 
+def test_logprobs_tokens_of_a_sentencepiece_vocabulary_keep_their_spaces_and_bytes():
+    """Llama 2's layout, built here: `▁` for a space, byte fallback, a decoder that strips the
+    sequence's first space. Each token was decoded alone, so every word lost its space, and a
+    fallback byte decoded to U+FFFD gave that character's three bytes."""
+    from pathlib import Path
+
+    from tokenizers import decoders, models, normalizers
+
+    from agentrl.types import Completion
+
+    pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], "▁Hello", "▁world", ",", "▁Caf", "▁"]
+    spm = Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=0, byte_fallback=True))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    spm.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    llama_like = PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", eos_token="<|im_end|>",
+                                         unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    llama_like.chat_template = Path("agentrl/templates/hermes_chatml.jinja").read_text()
+    ids = llama_like("Hello world, Café", add_special_tokens=False)["input_ids"] + [llama_like.eos_token_id]
+    assert llama_like.convert_ids_to_tokens(ids)[3:] == ["▁Caf", "<0xC3>", "<0xA9>", "<|im_end|>"]
+
+    class Engine:
+        weight_version = 0
+
+        async def generate(self, token_ids, sampling):
+            return Completion(ids, [-0.5] * len(ids), "stop", 0)
+
+    service = ChatService(Engine(), llama_like, parse_hermes, ServeSettings())
+    choice = asyncio.run(ask(service, {"messages": TASK.messages(), "logprobs": True}, None))["choices"][0]
+    assert choice["message"]["content"] == "Hello world, Café"
+    entries = choice["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [" Hello", " world", ",", " Caf", "\ufffd", "\ufffd", "<|im_end|>"]
+    assert [e["bytes"] for e in entries[4:6]] == [[0xC3], [0xA9]]
+    assert b"".join(bytes(e["bytes"]) for e in entries) == " Hello world, Café<|im_end|>".encode()
+
+
 def test_logit_bias_and_response_format_are_refused_unless_neutral(tokenizer):
     base = {"messages": TASK.messages()}
     for extra, message in [({"logit_bias": {"50256": -100}}, "logit_bias: token biases are not supported"),

@@ -10,8 +10,9 @@ turn is planned and recorded in sessions.py; without one it is served and forgot
 
 `logprobs` carries each sampled token's text and its own bytes: in a byte-level BPE vocabulary a
 token holding part of a UTF-8 character decodes to U+FFFD (as OpenAI's do), and its bytes are that
-part, so the bytes of consecutive tokens join into the reply's UTF-8; other vocabularies give the
-bytes of each token's text.
+part, so the bytes of consecutive tokens join into the reply's UTF-8; so do a SentencePiece
+vocabulary's, each token keeping its word's space; other vocabularies give the bytes of each
+token's text (TokenBytes).
 
 Sampling: the client's `temperature`, `top_p` and `max_tokens` apply, the recipe's values are the
 defaults. With `fixed_sampling` (agent episodes for training) the recipe's temperature and top-p
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from contextlib import contextmanager
@@ -230,7 +232,7 @@ class ChatService:
                 "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}}
 
     def _logprobs(self, renderer: ChatRenderer, completion: Completion) -> dict[str, Any]:
-        tokens = [renderer.decode([i]) for i in completion.token_ids]
+        tokens = [self._token_bytes.text(i, renderer.decode([i])) for i in completion.token_ids]
         return {"content": [{"token": t, "logprob": lp, "bytes": list(self._token_bytes(i, t)), "top_logprobs": []}
                             for i, t, lp in zip(completion.token_ids, tokens, completion.logprobs)]}
 
@@ -240,22 +242,48 @@ class ChatService:
 
 
 class TokenBytes:
-    """A token's own bytes: its spelling in a byte-level BPE vocabulary read back with GPT-2's
-    alphabet; for an added token (`<|im_end|>`), or in a vocabulary not spelled in that alphabet
-    (SentencePiece's `▁` is not in it), the UTF-8 of the token's decoded text."""
+    """A token's own text and bytes. In a byte-level BPE vocabulary: its spelling read back with
+    GPT-2's alphabet. In a SentencePiece one (`▁` for a space, `<0xC3>` for a byte the vocabulary
+    spells no other way: Llama 2's, Mistral's, Gemma's): its piece, a word's leading space kept
+    (decoded alone, every word lost it, so the tokens no longer spelled the reply; the reply's very
+    first space, which its decoding drops, stays on its token) and a fallback byte as itself, its
+    text U+FFFD past ASCII. For an added token (`<|im_end|>`), and in other vocabularies, the
+    token decoded alone and its UTF-8."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.added = set(getattr(tokenizer, "added_tokens_decoder", {}))
         alphabet = byte_level_alphabet()
-        spelled = "".join(piece for piece, i in tokenizer.get_vocab().items() if i not in self.added)
+        pieces = [piece for piece, i in tokenizer.get_vocab().items() if i not in self.added]
+        spelled = "".join(pieces)
         self.alphabet = alphabet if spelled and set(spelled) <= alphabet.keys() else None
+        self.sentencepiece = self.alphabet is None and "▁" in spelled
+
+    def _piece(self, token_id: int) -> str | None:
+        """The SentencePiece piece of `token_id`, or None where its decoded text is what counts."""
+        if not self.sentencepiece or token_id in self.added:
+            return None
+        return self.tokenizer.convert_ids_to_tokens(token_id) or None  # None past the vocabulary
+
+    def text(self, token_id: int, decoded: str) -> str:
+        piece = self._piece(token_id)
+        if piece is None:
+            return decoded
+        byte = _FALLBACK_BYTE.fullmatch(piece)
+        if byte:
+            value = int(byte.group(1), 16)
+            return chr(value) if value < 0x80 else "\ufffd"
+        return piece.replace("▁", " ")
 
     def __call__(self, token_id: int, text: str) -> bytes:
-        if self.alphabet is None or token_id in self.added:
-            return text.encode()
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)  # None past the vocabulary
-        return bytes(self.alphabet[c] for c in piece) if piece else text.encode()
+        if self.alphabet is not None and token_id not in self.added:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)  # None past the vocabulary
+            return bytes(self.alphabet[c] for c in piece) if piece else text.encode()
+        byte = _FALLBACK_BYTE.fullmatch(self._piece(token_id) or "")
+        return bytes([int(byte.group(1), 16)]) if byte else text.encode()
+
+
+_FALLBACK_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def byte_level_alphabet() -> dict[str, int]:
