@@ -177,6 +177,23 @@ def test_logprobs_tokens_of_a_sentencepiece_vocabulary_keep_their_spaces_and_byt
     assert b"".join(bytes(e["bytes"]) for e in entries) == " Hello world, Café<|im_end|>".encode()
 
 
+@pytest.mark.parametrize("part,message", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+     "messages.0.content: part 1 is of type 'image_url'; only text parts are supported"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+     "messages.0.content: part 1 is of type 'input_audio'; only text parts are supported"),
+    ({"type": "text"}, "messages.0.content: part 1: text: Field required"),
+    ({"type": "text", "text": 5}, "messages.0.content: part 1: text: Input should be a valid string"),
+])
+def test_a_content_part_that_is_not_text_is_named(part, message):
+    """The union's first type answered: "messages.0.content.str: Input should be a valid string
+    (and 2 more problems)", for an image part the Responses route names."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]}
+    with pytest.raises(RequestError) as e:
+        parse_request(json.dumps(body).encode())
+    assert (e.value.status, e.value.message) == (400, message)
+
+
 def test_logit_bias_and_response_format_are_refused_unless_neutral(tokenizer):
     base = {"messages": TASK.messages()}
     for extra, message in [({"logit_bias": {"50256": -100}}, "logit_bias: token biases are not supported"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentrl.rollout.chat import normalize_tool_calls
 from agentrl.tools.parsers import MAX_ARGUMENT_DEPTH, nesting_depth
@@ -74,6 +74,21 @@ class MessageIn(_Strict):
     tool_call_id: str | None = None
     name: str | None = None
     function_call: dict[str, Any] | None = None  # the legacy form of a call: refused, not dropped
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image, audio, file or refusal part named, not as the union's first type's error
+        ("content.str: Input should be a valid string")."""
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"part {j} is of type {kind!r}; only text parts are supported")
+            try:
+                TextPart.model_validate(part)
+            except ValidationError as e:
+                raise ValueError(f"part {j}: {describe(e)}") from None
+        return content
 
     @model_validator(mode="after")
     def _content_present(self) -> "MessageIn":
