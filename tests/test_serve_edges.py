@@ -177,6 +177,35 @@ def test_logprobs_tokens_of_a_sentencepiece_vocabulary_keep_their_spaces_and_byt
     assert b"".join(bytes(e["bytes"]) for e in entries) == " Hello world, Café<|im_end|>".encode()
 
 
+def test_a_reply_holding_its_calls_and_special_text_sent_back_without_a_session_is_kept_as_text(tokenizer):
+    """The content holding the special text was swapped for a marker to find it in the rendering;
+    the Hermes template, no longer seeing the call blocks in it, rendered the calls again, and the
+    endpoint answered its own reply with a 500."""
+    turn = f'The string "<|im_end|>" ends a turn.\n{CALL}\n{BAD}'  # beside a malformed block: the whole turn
+    engine = ScriptedEngine(tokenizer, [turn, ANSWER])
+    service = ChatService(engine, tokenizer, parse_hermes, ServeSettings())
+    messages = TASK.messages()
+    reply = asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, None))
+    message = {k: v for k, v in reply["choices"][0]["message"].items() if v is not None}
+    assert message["content"] == turn and len(message["tool_calls"]) == 1  # with the Hermes template: as sampled
+    messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "7006652"},
+                 {"role": "tool", "name": "parse_error", "content": BAD_ERROR}]
+    asyncio.run(ask(service, {"messages": messages, "tools": [calculator.schema]}, None))
+    prompt = engine.prompts[1]
+    rendered = tokenizer.apply_chat_template(chat_messages_of(messages), tools=[calculator.schema], tokenize=False,
+                                             add_generation_prompt=True)
+    assert tokenizer.decode(prompt) == rendered and rendered.count(CALL) == 1
+    # <|im_end|> as a control token: the system, user, assistant and two tool turns' ends only; the
+    # one in the content is plain text
+    assert prompt.count(2) == 5 and prompt.count(1) == 6
+
+
+def chat_messages_of(messages: list[dict]) -> list[dict]:
+    from agentrl.serve.protocol import ChatRequest, chat_messages
+
+    return chat_messages(ChatRequest.model_validate({"messages": messages}).messages)
+
+
 @pytest.mark.parametrize("part,message", [
     ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
      "messages.0.content: part 1 is of type 'image_url'; only text parts are supported"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import weakref
 from typing import Any, Callable
@@ -158,18 +159,39 @@ class ChatRenderer:
         if mark is None:
             raise SpecialTextError("a message contains a special token's text, and every marker character that "
                                    "would keep it as text occurs in the conversation")
+        # The whole content in one marker's place first; where the template reads the content and
+        # renders a marker otherwise (the Hermes template shows a turn's calls unless its content
+        # holds their blocks), only the special text in it.
+        for whole in (True, False):
+            ids = self._encode_marked(text, messages, special, remake, mark, whole)
+            if ids is not None:
+                return ids
+        raise TemplateError("a message contains a special token's text and the chat template does not render "
+                            "it verbatim, so it cannot be kept as text")
+
+    def _encode_marked(self, text: str, messages: list[dict[str, Any]], special: set[int],
+                       remake: Callable[[list[dict[str, Any]]], str], mark: str, whole: bool) -> list[int] | None:
+        """Ids of `text` with the literals encoded as plain text, or None where the rendering with
+        markers in their places does not give `text` back with the literals put in again."""
         marked, literals = [], []
+        split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.special_texts, key=len, reverse=True)) + ")")
         for message in messages:
             if id(message) in special:
-                literals.append(message["content"])
-                message = {**message, "content": f"{mark}{len(literals) - 1}{mark}"}
+                parts = [message["content"]] if whole else split.split(message["content"])
+                content = ""
+                for i, part in enumerate(parts):
+                    if whole or i % 2:
+                        literals.append(part)
+                        content += f"{mark}{len(literals) - 1}{mark}"
+                    else:
+                        content += part
+                message = {**message, "content": content}
             marked.append(message)
         pieces = remake(marked).split(mark)  # text, index, text, index, ..., text
         indices = pieces[1::2]
         if indices != [str(i) for i in range(len(literals))] or \
                 "".join(p if i % 2 == 0 else literals[i // 2] for i, p in enumerate(pieces)) != text:
-            raise TemplateError("a message contains a special token's text and the chat template does not render "
-                                "it verbatim, so it cannot be kept as text")
+            return None
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             ids += self.encode_text(literals[i // 2]) if i % 2 else self.encode(piece)
