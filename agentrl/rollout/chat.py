@@ -174,7 +174,8 @@ class ChatRenderer:
         """Ids of `text` with the literals encoded as plain text, or None where the rendering with
         markers in their places does not give `text` back with the literals put in again."""
         marked, literals = [], []
-        split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.special_texts, key=len, reverse=True)) + ")")
+        longest_first = sorted(self.special_texts, key=len, reverse=True)
+        split = re.compile("(" + "|".join(re.escape(t) for t in longest_first) + ")")
         for message in messages:
             if id(message) in special:
                 parts = [message["content"]] if whole else split.split(message["content"])
