@@ -212,7 +212,21 @@ def _same(key: str, saved: dict[str, object], now: dict[str, object]) -> bool:
             rank = flat.get("model.lora.rank")
             return 2.0 * rank if flat.get(key) is None and isinstance(rank, int) else flat.get(key)
         return alpha(saved) == alpha(now)
-    return saved.get(key) == now.get(key)
+    return same_paths(saved.get(key), now.get(key))
+
+
+def same_paths(saved: object, now: object) -> bool:
+    """Equal settings, where a text (or list of texts) naming a local file or directory in both
+    equals another spelling of it: the run's own config.yaml names model.path absolute, and
+    `./m` is `m`."""
+    if isinstance(saved, list) and isinstance(now, list):
+        return len(saved) == len(now) and all(same_paths(a, b) for a, b in zip(saved, now))
+    if saved == now or not (isinstance(saved, str) and isinstance(now, str) and saved and now):
+        return saved == now
+    try:
+        return Path(saved).exists() and Path(now).exists() and Path(saved).resolve() == Path(now).resolve()
+    except (OSError, ValueError):  # a text no file system takes as a path (a NUL in it)
+        return False
 
 
 def _dotted(tree: dict, prefix: str = "") -> dict[str, object]:

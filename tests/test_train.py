@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -1037,6 +1038,33 @@ def test_resume_compares_the_models_as_they_are_built_and_names_an_unreadable_re
     assert str(err.value) == (f"{checkpoint / 'recipe.json'}: cannot read this checkpoint (JSONDecodeError: Expecting "
                               f"value: line 1 column 11 (char 10)); if it is damaged, delete {checkpoint} to resume "
                               "from the checkpoint before it")
+
+
+def test_a_run_resumes_from_its_own_config_yaml_and_other_spellings_of_its_paths(tmp_path, monkeypatch, capsys):
+    """config.yaml names a local model.path absolute (so `agentrl view` finds it from anywhere),
+    and the checkpoint kept it as typed: resuming a run from its own config.yaml, or with `./m`
+    for `m`, was refused as another model."""
+    from agentrl.errors import ConfigError
+    from agentrl.recipe import run_config_yaml
+    from agentrl.train import check_resume
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("m", "other"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "tasks.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    quickstart = str(Path(__file__).parent.parent / "recipes" / "quickstart.yaml")
+    typed = ["model.path=m", "data.source=files", "data.files=[tasks.jsonl]", "data.num_tasks=1"]
+    checkpoint = tmp_path / "checkpoints" / "step_1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "recipe.json").write_text(json.dumps(load_recipe(quickstart, typed).model_dump(mode="json")))
+    (tmp_path / "config.yaml").write_text(run_config_yaml(load_recipe(quickstart, typed)))
+    assert f"path: {tmp_path / 'm'}" in (tmp_path / "config.yaml").read_text()
+    check_resume(load_recipe("config.yaml"), checkpoint)
+    check_resume(load_recipe(quickstart, [*typed, "model.path=./m", f"data.files=[{tmp_path / 'tasks.jsonl'}]"]),
+                 checkpoint)
+    assert capsys.readouterr().err == ""  # not even a warning: the same model and tasks
+    with pytest.raises(ConfigError, match=re.escape('(model.path "m" -> "other")')):
+        check_resume(load_recipe(quickstart, [*typed, "model.path=other"]), checkpoint)
 
 
 def test_only_a_checkpoint_file_that_is_itself_damaged_gets_the_advice_to_delete_it(tmp_path, monkeypatch):
