@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from agentrl.config import RecipeConfig, value_types
 from agentrl.errors import ConfigError
-from agentrl.yaml_files import RepeatedKey, UniqueKeyLoader, load_yaml, one_line
+from agentrl.yaml_files import RepeatedKey, UniqueKeyLoader, dump_recipe, load_yaml, one_line
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
@@ -387,7 +387,7 @@ def describe_error(e: ValidationError) -> str:
 
 
 def to_yaml(config: RecipeConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return dump_recipe(config.model_dump(mode="json"), sort_keys=False)
 
 
 def run_config_yaml(config: RecipeConfig) -> str:
@@ -397,7 +397,7 @@ def run_config_yaml(config: RecipeConfig) -> str:
     data = config.model_dump(mode="json")
     if Path(config.model.path).is_dir():
         data["model"]["path"] = str(Path(config.model.path).resolve())
-    return yaml.safe_dump(data, sort_keys=False)
+    return dump_recipe(data, sort_keys=False)
 
 
 def reference_markdown() -> str:

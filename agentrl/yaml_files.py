@@ -79,10 +79,23 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return value
 
 
-UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
-                                      list("-+0123456789"))
+EXPONENT_ONLY_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_ONLY_FLOAT, list("-+0123456789"))
 UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
 UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", UniqueKeyLoader.construct_yaml_float)
+
+
+class RecipeDumper(yaml.SafeDumper):
+    """yaml.safe_dump's writer, quoting a text that UniqueKeyLoader reads as a number (`1e-5`), so
+    that a written recipe (a run's config.yaml) loads back as it was: unquoted, a run named
+    `1e-5` wrote a config.yaml whose `name` read as a float."""
+
+
+RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_ONLY_FLOAT, list("-+0123456789"))
+
+
+def dump_recipe(data: object, **options: object) -> str:
+    return yaml.dump(data, Dumper=RecipeDumper, **options)
 
 
 def one_line(e: Exception) -> str:

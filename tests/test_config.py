@@ -608,3 +608,16 @@ def test_overrides_may_follow_an_option(capsys):
         parse_arguments(["serve", "recipes/quickstart.yaml", "--port", "9", "--bogus", "a=1"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == "agentrl: error: unrecognized arguments: --bogus a=1"
+
+
+def test_a_written_recipe_loads_back_with_texts_that_read_as_numbers(tmp_path):
+    """Recipes read `1e-5` (no dot) as a number, which yaml.safe_dump does not know: a run named
+    after its learning rate wrote a config.yaml whose `name` loaded as the float 1e-05."""
+    from agentrl.recipe import run_config_yaml
+
+    config = load_recipe("recipes/quickstart.yaml", ["name=1e-5", "rollout.system_prompt='2E+3'", "trainer.lr=1e-5",
+                                                     "model.path=smollm2-135m-instruct"])
+    assert (config.name, config.rollout.system_prompt, config.trainer.lr) == ("1e-5", "2E+3", 1e-5)
+    (tmp_path / "config.yaml").write_text(run_config_yaml(config))
+    again = load_recipe(str(tmp_path / "config.yaml"))
+    assert again.model_dump() == config.model_dump()
