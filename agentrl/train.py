@@ -249,6 +249,8 @@ TRAINING_EVIDENCE = ("checkpoints", "trajectories", "metrics.jsonl", "tensorboar
 EARLIER_RUN = ("config.yaml", *TRAINING_EVIDENCE)
 # What other commands wrote about an earlier run's models: moved with it, not alone (an evaluation
 # of the base model made before the first run stays where it is).
+# `agentrl eval`'s files of this run's final/ and step_N/ models (rollout/run.py eval_name).
+STALE_EVAL = re.compile(r"eval_(?P<model>final|step_\d+)\.jsonl?")
 EARLIER_RESULTS = re.compile(r"eval_.+\.jsonl?|rollout\.jsonl|rollout_summary\.json|view\.html|plots")
 
 
@@ -271,18 +273,24 @@ def set_aside_earlier_run(run_dir: Path, resuming: bool = False) -> None:
     if not steps and not any(name in TRAINING_EVIDENCE for name in found):  # nothing, or an eval's or rollout's
         return
     results = sorted(p.name for p in run_dir.iterdir() if EARLIER_RESULTS.fullmatch(p.name))
-    previous, older = run_dir / "previous", None
-    if previous.exists() or previous.is_symlink():
-        older = next(run_dir / f"previous.{n}" for n in itertools.count(1)
-                     if not (run_dir / f"previous.{n}").exists() and not (run_dir / f"previous.{n}").is_symlink())
-        os.replace(previous, older)
-    previous.mkdir()
+    previous, older = fresh_previous(run_dir)
     for name in found + steps + results:
         os.replace(run_dir / name, previous / name)
     listed = ", ".join(found + ([f"{len(steps)} step_N/"] if steps else []) + results)
     hint = "it had no checkpoint to resume" if resuming else "trainer.resume=auto continues a run instead"
     kept = f"; the previous/ before it is now {older}" if older else ""
     print(f"agentrl: {run_dir} held an earlier run ({listed}); moved to {previous} ({hint}){kept}", file=sys.stderr)
+
+
+def fresh_previous(run_dir: Path) -> tuple[Path, Path | None]:
+    """An empty previous/ in `run_dir`, and where the one already there went (previous.N/), if any."""
+    previous, older = run_dir / "previous", None
+    if previous.exists() or previous.is_symlink():
+        older = next(run_dir / f"previous.{n}" for n in itertools.count(1)
+                     if not (run_dir / f"previous.{n}").exists() and not (run_dir / f"previous.{n}").is_symlink())
+        os.replace(previous, older)
+    previous.mkdir()
+    return previous, older
 
 
 def drop_steps_after(run_dir: Path, done: int) -> None:
@@ -297,6 +305,17 @@ def drop_steps_after(run_dir: Path, done: int) -> None:
     for path in run_dir.iterdir():
         if STEP_MODEL.fullmatch(path.name) and path.is_dir() and int(path.name.removeprefix("step_")) > done:
             shutil.rmtree(path)  # check_run_dir made sure each holds a saved model and nothing else
+    # The evaluations of those models, and of the final/ this run saves anew, read as this run's
+    # results beside its models (a fresh run moves them with the rest of the earlier run).
+    stale = sorted(path.name for path in run_dir.iterdir() if (match := STALE_EVAL.fullmatch(path.name))
+                   and (match["model"] == "final" or int(match["model"].removeprefix("step_")) > done))
+    if stale:
+        previous, older = fresh_previous(run_dir)
+        for name in stale:
+            os.replace(run_dir / name, previous / name)
+        kept = f"; the previous/ before it is now {older}" if older else ""
+        print(f"agentrl: moved the evaluations of models this run replaces ({', '.join(stale)}) to {previous}{kept}",
+              file=sys.stderr)
 
 
 def run_steps(config: RecipeConfig, roles: Roles, pool: list[Task], run_dir: Path) -> list[dict[str, float]]:

@@ -463,7 +463,8 @@ def test_a_resumed_run_takes_the_recipes_learning_rate_and_refuses_another_model
 def test_a_resumed_run_drops_the_trajectories_and_models_the_interrupted_run_wrote_after_its_checkpoint(tmp_path):
     """A run killed at step 4 with its last checkpoint at step 2 left step_3 and step_4 files; the
     resumed run rewrites them as it gets there, but one relaunched with trainer.steps=3 showed the
-    other run's step_4 as its own."""
+    other run's step_4 as its own. Evaluations of the models it replaces go to previous/, as a
+    fresh run's would: the old model's eval_final.json read as the new final/'s."""
     from agentrl.train import drop_steps_after
 
     (tmp_path / "trajectories").mkdir()
@@ -472,10 +473,18 @@ def test_a_resumed_run_drops_the_trajectories_and_models_the_interrupted_run_wro
         (tmp_path / f"step_{step}").mkdir()
         (tmp_path / f"step_{step}" / "config.json").write_text("{}")
     (tmp_path / "trajectories" / "step_notes.jsonl").write_text("{}\n")  # not a step's: kept
+    # `agentrl eval` of step_2, step_4 and final/ (which the resumed run saves anew) and of the base model
+    evaluations = ["eval_step_2.json", "eval_step_4.json", "eval_step_4.jsonl", "eval_final.json",
+                   "eval_final.jsonl", "eval_smollm2-135m-instruct.json"]
+    for name in evaluations:
+        (tmp_path / name).write_text("{}")
     drop_steps_after(tmp_path, 2)
     assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == ["step_1.jsonl", "step_2.jsonl",
                                                                            "step_notes.jsonl"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2", "trajectories"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval_smollm2-135m-instruct.json", "eval_step_2.json",
+                                                          "previous", "step_1", "step_2", "trajectories"]
+    assert sorted(p.name for p in (tmp_path / "previous").iterdir()) == ["eval_final.json", "eval_final.jsonl",
+                                                                         "eval_step_4.json", "eval_step_4.jsonl"]
 
 
 def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_before_older_ones_are_pruned(tmp_path, monkeypatch):
