@@ -593,3 +593,25 @@ def test_a_request_whose_row_cannot_be_made_fails_alone(tiny_model, monkeypatch)
     assert running.token_ids == alone and str(failed) == "no row for seed 13"
     with pytest.raises(ValueError, match=r"^generate: seed 18446744073709551616 is no integer from 0 to 2\*\*64 - 1"):
         asyncio.run(engine.generate(PROMPTS[0], SamplingParams(seed=2**64)))
+
+
+def test_close_fails_the_waiting_requests_refuses_new_ones_and_leaves_the_cache_empty(tiny_model):
+    """close() only cleared the cache: a request waiting for another batch still ran after it,
+    as did one made after it, and both stored their prefixes again."""
+    engine = HFEngine(tiny_model, pad_token_id=0)
+
+    async def main():
+        running = asyncio.ensure_future(engine.generate([1, 5, 6, 7], greedy(1000)))  # a second or so
+        waiting = asyncio.ensure_future(engine.generate([1, 8, 9], SamplingParams(20, 1.0)))  # another batch
+        while engine.stats["requests"] == 0:  # the first batch is decoding
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.close)
+        with pytest.raises(RuntimeError, match="^HFEngine.generate: the engine is closed$"):
+            await engine.generate([1, 10, 11], greedy(5))
+        with pytest.raises(RuntimeError, match="^HFEngine: the engine was closed before this request ran$"):
+            await waiting
+        return await running
+
+    assert len(asyncio.run(main()).token_ids) == 1000  # the batch already decoding finishes
+    assert engine.wait_idle(10)
+    assert len(engine.prefix_cache) == 0 and engine.stats["requests"] == 1

@@ -67,8 +67,11 @@ class HFEngine:
         self._pending = PendingRequests()  # the event loop adds requests, the decode thread takes them
         self._lock = threading.Lock()  # decoding, weight updates and memory release never overlap
         self._released: set[str] = set()  # memory tags paused by release_memory and not resumed yet
+        self._closed = False
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Completion:
+        if self._closed:
+            raise RuntimeError("HFEngine.generate: the engine is closed")
         check_request(self.model, token_ids, sampling)
         loop = asyncio.get_running_loop()
         request = Request(list(token_ids), sampling, loop.create_future())
@@ -335,8 +338,12 @@ class HFEngine:
                 self._released.discard(tag)
 
     def close(self) -> None:
-        """Nothing lives outside this process: the decode thread stops once no request waits. The
-        prefix cache's keys and values are dropped so that their memory goes with the last request."""
+        """Nothing lives outside this process: requests still waiting fail, new ones are refused,
+        and the decode thread stops once the batch it runs is done. The prefix cache's keys and
+        values are dropped then, so that their memory goes with the last request."""
+        self._closed = True
+        for waiting in self._pending.drain():
+            deliver(waiting.future, RuntimeError("HFEngine: the engine was closed before this request ran"))
         with self._lock:
             self.prefix_cache.clear()
             self.stats["kv_cache_bytes"] = 0

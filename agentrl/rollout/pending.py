@@ -120,6 +120,13 @@ class PendingRequests:
             self._serving = False
             self._stopped.notify_all()
 
+    def drain(self) -> list[Request]:
+        """Every waiting request, taken out for its caller to fail (the engine closed); a running
+        decode thread then finds none and stops."""
+        with self._lock:
+            requests, self._requests = self._requests, []
+        return requests
+
     def abandon(self) -> list[Request]:
         """No decode thread could start: every waiting request, taken out for its caller to fail."""
         with self._lock:
