@@ -572,3 +572,67 @@ def test_a_loopback_server_is_reached_past_the_environments_proxy_and_its_creden
         httpd.server_close()
     assert str(failed.value).startswith(f"SGLang server at http://127.0.0.1:{port}: POST /flush_cache failed (HTTP 503")
     assert "s3cr3t" not in str(failed.value)
+
+
+FAKE_LAUNCH_SERVER = """\
+import argparse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--host")
+parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+
+
+class Healthy(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer((args.host, args.port), Healthy).serve_forever()
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody reaps, as a container's init may leave one, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_launched_server_stops_when_its_launcher_is_killed(tmp_path):
+    """The server runs in a session of its own, and only the launcher's exit code stopped it: a
+    trainer killed by the OOM killer, or a rollout actor by ray.kill, left it holding its GPU and
+    port. Here `python -m sglang.launch_server` is a stand-in HTTP server on loopback (SGLang
+    cannot run here); the launcher, the pipe and the signals are real."""
+    import os
+    import subprocess
+    import time
+
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    launcher = ("import os, signal\n"
+                "from agentrl.rollout.sglang_launch import launch_server\n"
+                "process, url, log = launch_server({'model_path': 'm'}, timeout_s=60)\n"
+                "print(process.pid, flush=True)\n"
+                "os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}"}
+    done = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    server = int(done.stdout.split()[0])
+    try:
+        deadline = time.monotonic() + 15
+        while running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(server)
+    finally:
+        if running(server):
+            os.killpg(server, signal.SIGKILL)

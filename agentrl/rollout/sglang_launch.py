@@ -2,6 +2,13 @@
 (sglang_server.py): a free loopback port, the CPU backend's environment, a log file, a health wait,
 and the server's whole process group stopped at exit.
 
+The server runs in a session of its own (so that its group, schedulers included, is stopped as
+one), which no signal to the launcher's group reaches; and a launcher that dies without running
+its exit code (SIGKILL, the OOM killer, `ray.kill` of a rollout actor) stops nothing. So the
+server's process also watches a pipe from the launcher and stops its group when the pipe closes,
+as it does whenever the launcher's process ends. (PR_SET_PDEATHSIG fires when the launching
+*thread* ends, which a Ray actor's method threads do.)
+
 This module does not import sglang: the server is a subprocess.
 """
 
@@ -39,6 +46,23 @@ def cli_flags(args: dict[str, Any]) -> list[str]:
     return flags
 
 
+# `python -m sglang.launch_server`, plus a thread that stops the server's group once the pipe whose
+# read end is argv[1] reaches its end: SIGTERM, then SIGKILL for a group still there 30 s later.
+WATCHED_SERVER = """\
+import os, runpy, signal, sys, threading, time
+def watch(fd):
+    while os.read(fd, 1):
+        pass
+    os.killpg(0, signal.SIGTERM)
+    time.sleep(30)
+    os.killpg(0, signal.SIGKILL)
+threading.Thread(target=watch, args=(int(sys.argv.pop(1)),), name="agentrl-launcher-watch", daemon=True).start()
+sys.argv[0] = "sglang.launch_server"
+runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+"""
+_lifelines: dict[int, int] = {}  # a launched server's pid -> the pipe end it watches
+
+
 def launch_server(args: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen, str, str]:
     """Start launch_server on a free loopback port; returns (process, url, log path) once healthy."""
     with socket.socket() as probe:  # the OS picks a free port; the server binds it right after
@@ -48,9 +72,19 @@ def launch_server(args: dict[str, Any], timeout_s: float) -> tuple[subprocess.Po
     if args.get("device") == "cpu":
         env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     log = tempfile.NamedTemporaryFile("w", prefix="sglang-server-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "sglang.launch_server", *cli_flags(args), "--host", "127.0.0.1", "--port", str(port)]
-    with log:  # the server writes to its own copy of the descriptor; the log stays for whoever reads it
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    watched, held = os.pipe()  # the launcher holds the write end for the server's life and never writes
+    cmd = [sys.executable, "-c", WATCHED_SERVER, str(watched), *cli_flags(args), "--host", "127.0.0.1",
+           "--port", str(port)]
+    try:
+        with log:  # the server writes to its own copy of the descriptor; the log stays for whoever reads it
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                       pass_fds=(watched,))
+    except BaseException:
+        os.close(held)
+        raise
+    finally:
+        os.close(watched)
+    _lifelines[process.pid] = held
     atexit.register(stop_server, process)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -74,16 +108,21 @@ def launch_server(args: dict[str, Any], timeout_s: float) -> tuple[subprocess.Po
 
 def stop_server(process: subprocess.Popen) -> None:
     """Stop the server and the scheduler processes it started (its own process group)."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=30)
-        except ProcessLookupError:  # it ended on its own meanwhile
-            pass
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    try:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=30)
+            except ProcessLookupError:  # it ended on its own meanwhile
+                pass
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    finally:  # after the stop, or its watch would send a second SIGTERM into the shutdown
+        held = _lifelines.pop(process.pid, None)
+        if held is not None:
+            os.close(held)
 
 
 def log_tail(path: str, lines: int = 5) -> str:
