@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from fractions import Fraction
 
 import pytest
 
@@ -99,7 +100,7 @@ def test_parse_number_reads_a_reply_of_repeated_exponent_signs_in_linear_time():
     ("#### 4", "5-1=4", 4.0, 1.0),
     ("#### 19", "COVID-19", 19.0, 1.0),  # after a letter the hyphen is no minus
     ("#### 1000000", "It is 1e6", 1e6, 1.0),  # the exponent belongs to the number: not 6
-    ("#### 0.0025", "2.5E-3 of it", 0.0025, 1.0),
+    ("#### 0.0025", "2.5E-3 of it", Fraction("0.0025"), 1.0),  # exactly: no float is 0.0025
     ("#### 6", "1e6", 1e6, 0.0),
     ("#### 3", "It takes 3 eggs, 3e", 3.0, 1.0),  # an 'e' without digits is a letter
     ("#### 4", "Between 1e3-1e4", None, 0.0),  # a range of exponents is still a range
@@ -108,6 +109,28 @@ def test_parse_number_reads_a_reply_of_repeated_exponent_signs_in_linear_time():
 def test_gsm8k_reward_reads_numbers_not_ranges_dates_or_lists(answer, reply, parsed, reward):
     assert parse_number(reply) == parsed
     assert gsm8k_reward(Task(id="x", prompt="p", answer=answer), [{"role": "assistant", "content": reply}]) == reward
+
+
+@pytest.mark.parametrize("answer,reply,reward", [
+    # past 2**53 a float is one for several whole numbers: truth + 1 and a rounded exponent form matched
+    ("#### 210131379142599177585066", "210131379142599177585066", 1.0),
+    ("#### 210131379142599177585066", "210131379142599177586066", 0.0),
+    ("#### 9007199254740993", "9007199254740992", 0.0),  # 2**53 + 1 against 2**53
+    ("#### 5573091967552379766250761329861300608558", "5.5730919675523801e+39", 0.0),
+    ("#### 1,000,000,000,000,000,000", "1e18", 1.0),  # exactly that number, written another way
+    # a decimal truth is matched within half a unit of its last place only
+    ("#### 1450000.5", "1450000.5", 1.0),
+    ("#### 1450000.5", "1450001.5", 0.0),
+    ("#### 1450000.5", "1450000", 0.0),
+    ("#### 2.25", "2.2500001", 1.0),  # rounding, within the relative tolerance
+])
+def test_answers_are_compared_exactly_to_the_truths_precision(answer, reply, reward):
+    task = Task(id="x", prompt="p", answer=answer)
+    assert gsm8k_reward(task, [{"role": "assistant", "content": reply}]) == reward
+    check = CheckAnswer()
+    asyncio.run(check.create("i", ground_truth=answer))
+    assert asyncio.run(check.execute("i", {"answer": reply})).text == ("Correct." if reward else
+                                                                      "Incorrect. No more answers will be checked.")
 
 
 def test_gsm8k_reward_uses_last_number_of_final_message():

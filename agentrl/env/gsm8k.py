@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 from agentrl.env.interaction import Turn
@@ -17,7 +18,7 @@ class GSM8KInteraction:
             raise ValueError("max_attempts must be at least 1")
         self.max_attempts = max_attempts
         self.tolerance = checked_tolerance(tolerance)
-        self._truth: float | None = None
+        self._truth: Fraction | None = None
         self._attempts = 0
 
     async def start(self, task: Task) -> None:

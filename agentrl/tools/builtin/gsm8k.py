@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 from typing import Any
 
 from agentrl.tools.base import ToolResult
@@ -37,8 +38,9 @@ _CANDIDATE_RE = re.compile(r"(?:(?:(?<![\w.,])|(?<=[.,])(?<!\d[.,]))(?P<sign>[-\
 _WELL_FORMED_RE = re.compile(r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+\u2212]?\d+)?")
 
 
-def parse_number(text: str | float | int | None) -> float | None:
-    """The last number in `text`, or None.
+def parse_number(text: str | float | int | None) -> Fraction | None:
+    """The last number in `text`, exactly (a float holds whole numbers only up to 2**53: past it, a
+    truth and a neighbouring wrong answer were one float, and the wrong answer scored), or None.
 
     Tolerated: '$', thousands separators ('1,234,567', LaTeX's '1{,}234' and '1\\,234'), a
     leading-dot decimal ('.5'), a sign at the start of a word ('-3', '$-7', '−3'), trailing
@@ -55,11 +57,21 @@ def parse_number(text: str | float | int | None) -> float | None:
             number = float(text)
         except OverflowError:  # an integer of 400 digits (JSON allows it): not an answer, as '1e400' is not
             return None
-        return number if math.isfinite(number) else None
-    numbers = [float(((m["sign"] or "") + m["body"]).replace(",", "").replace("\u2212", "-"))
+        return Fraction(text) if math.isfinite(number) else None
+    numbers = [((m["sign"] or "") + m["body"]).replace(",", "").replace("\u2212", "-")
                for m in _CANDIDATE_RE.finditer(_plain(str(text))) if _WELL_FORMED_RE.fullmatch(m["body"])]
-    numbers = [n for n in numbers if math.isfinite(n)]  # '1e400' overflows: not an answer
-    return numbers[-1] if numbers else None
+    numbers = [n for n in numbers if math.isfinite(float(n))]  # '1e400' overflows: not an answer
+    return _exact(numbers[-1]) if numbers else None
+
+
+def _exact(number: str) -> Fraction:
+    """A well-formed number's exact value. One of hundreds of characters, or with an exponent past
+    a float's, takes its float's value: exactly, it would be an integer of as many digits (and
+    Python refuses to read one past 4300)."""
+    exponent = number.lower().partition("e")[2]
+    if len(number) > 400 or (exponent and abs(int(exponent)) > 400):
+        return Fraction(float(number))
+    return Fraction(number)
 
 
 def _plain(text: str) -> str:
@@ -67,19 +79,21 @@ def _plain(text: str) -> str:
     return text.replace("$", "").replace("{,}", ",").replace("\\,", ",")
 
 
-def ground_truth_number(answer: str) -> float | None:
+def ground_truth_number(answer: str) -> Fraction | None:
     """GSM8K answers end with '#### <number>'; plain numbers are accepted too."""
     return parse_number(answer.split("####")[-1])
 
 
-def answer_matches(submitted: float, truth: float, tolerance: float) -> bool:
+def answer_matches(submitted: Fraction, truth: Fraction, tolerance: float) -> bool:
     """Whether `submitted` is `truth` within the relative `tolerance` (of max(1, |truth|)), which
-    is for rounding; a whole-number truth is never matched by another whole number (at 1e-6, a
-    truth of 1,450,000 took 1,450,001 for right)."""
-    allowed = tolerance * max(1.0, abs(truth))
-    if truth == int(truth):
-        allowed = min(allowed, 0.5 - 1e-9)
-    return abs(submitted - truth) <= allowed
+    is for rounding, and within less than half a unit of the truth's last decimal place: no other
+    number written to the truth's precision matches it (at 1e-6, a truth of 1,450,000 took
+    1,450,001 for right, and one of 1,450,000.5 took 1,450,001.5)."""
+    places = 0
+    while (truth * 10**places).denominator != 1 and places < 400:  # a decimal truth has a last place
+        places += 1
+    difference = abs(Fraction(submitted) - truth)
+    return difference <= tolerance * max(1, abs(truth)) and difference < Fraction(1, 2 * 10**places)
 
 
 def checked_tolerance(tolerance: float) -> float:
@@ -113,7 +127,7 @@ class CheckAnswer:
                 },
             },
         }
-        self._truth: dict[str, float | None] = {}
+        self._truth: dict[str, Fraction | None] = {}
         self._attempts: dict[str, int] = {}
         self._first_correct: dict[str, bool] = {}
 
