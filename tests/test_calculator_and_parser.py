@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from agentrl.tools.builtin.calculator import calculator, evaluate
@@ -9,7 +11,8 @@ from agentrl.tools.parsers import parse_hermes
 
 
 @pytest.mark.parametrize("expr,value", [("1234 * 5678", 7006652), ("(2 + 3) * 4 - 6 / 4", 18.5), ("-2 ** 3", -8),
-                                        ("7 // 2 + 7 % 2", 4), ("1,234 × 2", 2468), ("2^10", 1024)])
+                                        ("7 // 2 + 7 % 2", 4), ("1,234 × 2", 2468), ("2^10", 1024),
+                                        ("(1,000 + 2,000,000) * 2", 4002000), ("1,234.5 * 2", 2469)])
 def test_evaluate(expr, value):
     assert evaluate(expr) == value
 
@@ -19,9 +22,12 @@ def test_evaluate(expr, value):
     ("2 ** 1000", "exponent 1000 is larger than 64"), ("1 / 0", "division by zero"),
     ("1 +", "cannot parse"), ("9" * 600, "longer than 500"), ("(10 ** 60) * (10 ** 60)", "out of range"),
     ("1e99 ** 4", "result out of range"),
+    # any comma but a thousands separator: all of them were deleted, and '2,5' computed as 25
+    *((e, f"cannot parse '{e}': a comma only separates thousands (1,234); write a decimal point as '.'")
+      for e in ("2,5 * 4", "3,4,5", "12,34 * 2", "1,2345", "1,234,5")),
 ])
 def test_evaluate_refuses(expr, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         evaluate(expr)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
 
 from agentrl.tools.base import tool
 
@@ -19,13 +20,20 @@ _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 500
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e100
+_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
 
 
 def evaluate(expression: str) -> int | float:
     """Value of an arithmetic expression; ValueError with a reason the model can act on."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-    text = expression.replace("^", "**").replace("×", "*").replace("÷", "/").replace(",", "")
+    # Thousands separators go ('1,234 * 2'); any other comma stays and fails to parse: '2,5' (a
+    # decimal comma) or '3,4,5' read as 25 or 345 would be a wrong number, not an error.
+    text = _THOUSANDS.sub(lambda m: m[0].replace(",", ""), expression)
+    if "," in text:
+        raise ValueError(f"cannot parse {expression!r}: a comma only separates thousands (1,234); write a "
+                         "decimal point as '.'")
+    text = text.replace("^", "**").replace("×", "*").replace("÷", "/")
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError:
