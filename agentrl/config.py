@@ -31,8 +31,9 @@ def value_types(annotation: Any) -> tuple[set[Any], bool]:
 MAX_TIMEOUT_S = 365 * 24 * 3600
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)]
 
-# Operands longer than this make expressions past the calculator's 500-character limit.
-MAX_DIGITS = 50
+# Operands longer than this make answers past the calculator's magnitude limit (1e100: a × b + c,
+# with c up to a × b / 2, passed it at 50 digits) and, further on, its 500-character limit.
+MAX_DIGITS = 49
 
 
 class _Section(BaseModel):

@@ -247,6 +247,8 @@ def _row_task(row: dict[str, Any], where: str, index: int, prompt_key: str, answ
             raise ConfigError(f"{where}: '{answer_key}' must be text or a number, not {_kind(answer)}")
         if isinstance(answer, float) and not math.isfinite(answer):  # 1e400 reads as inf
             raise ConfigError(f"{where}: '{answer_key}' is {answer}, not a finite number")
+        if isinstance(answer, str) and not answer.strip():  # as a null one: no episode of it could score
+            raise ConfigError(f"{where}: '{answer_key}' is empty (data.answer_key: null runs tasks without answers)")
     if id_key:
         _required(row, id_key, where)
     # Absent or null is none; any other value is checked ([] and "" were read as none as well).

@@ -44,7 +44,7 @@ def test_recipe_and_overrides():
                                                                            "must be below 2**32"),
     # a lower bound 1 - clip_low of 0 or less clips no ratio: the clip was silently off
     ("algorithm.clip_low=1", "algorithm.clip_low: Input should be less than 1"),
-    ("data.arithmetic.max_digits=200", "data.arithmetic.max_digits: Input should be less than or equal to 50"),
+    ("data.arithmetic.max_digits=200", "data.arithmetic.max_digits: Input should be less than or equal to 49"),
     ("name=..", "name '..' names the output directory runs/<name> (output_dir unset), so it must be one directory "
                 "name (no '/' or NUL byte, not empty, '.' or '..')"),
     ("name=/tmp", "name '/tmp' names the output directory runs/<name>"),

@@ -30,6 +30,16 @@ def test_arithmetic_tasks_are_deterministic_and_correct():
         assert truth in {a * b} | {a * b - c for c in rest} | {a * b + c for c in rest}
 
 
+def test_the_longest_operands_the_recipe_allows_make_tasks_the_calculator_answers():
+    """At 50 digits a x b + c passed the calculator's 1e100: generating the tasks raised a bare
+    ValueError, and the model's calculator would have answered "out of range"."""
+    from agentrl.config import MAX_DIGITS
+    from agentrl.tools.builtin.calculator import calculator
+
+    for task in arithmetic_tasks(200, seed=0, min_digits=MAX_DIGITS, max_digits=MAX_DIGITS):
+        assert calculator(task.metadata["expression"]) == task.answer.removeprefix("#### ")
+
+
 def test_jsonl_rows_with_field_mapping(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps({"q": f"question {i}", "a": f"#### {i}", "uid": f"u{i}"}) for i in range(5)))
@@ -47,6 +57,7 @@ def test_jsonl_rows_with_field_mapping(tmp_path):
     ('{"question": "q"}',
      "3: missing 'answer' (the row has 'question'; data.answer_key: null runs tasks without answers)"),
     ('{"question": "q", "answer": null}', "3: 'answer' is null (data.answer_key: null runs tasks without answers)"),
+    ('{"question": "q", "answer": " "}', "3: 'answer' is empty (data.answer_key: null runs tasks without answers)"),
     ('{"question": 5, "answer": "#### 5"}', "3: 'question' must be text or a list of chat messages, not a number"),
     ('{"question": "q", "answer": ["#### 5"]}', "3: 'answer' must be text or a number, not a list"),
     ('{"question": ["a"], "answer": "#### 3"}', "3: 'question': message 1 is not a JSON object"),
