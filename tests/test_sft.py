@@ -148,7 +148,8 @@ def sft_recipe(model_dir, output, *overrides):
     from agentrl.recipe import load_recipe
 
     return load_recipe(None, [f"model.path={model_dir}", f"sft.output={output}", "sft.steps=1", "sft.num_examples=2",
-                              "sft.batch_size=2", "sft.dtype=float32", *overrides])
+                              "sft.batch_size=2", "sft.dtype=float32",
+                              "rollout.tool_configs=[tool_configs/calculator.yaml]", *overrides])
 
 
 def test_sft_replaces_its_own_output_but_never_a_directory_of_other_files(tmp_path, tiny_model_dir, monkeypatch):
@@ -207,6 +208,20 @@ def test_a_save_refuses_a_model_directory_holding_other_files(tmp_path, tokenize
         check_replaceable(tmp_path / "afile", "sft.output")
     assert (target / "notes.txt").read_text() == "mine" and (target / "config.json").is_file()
     assert not [p.name for p in tmp_path.iterdir() if ".agentrl-" in p.name]  # no staging directory left
+
+
+def test_arithmetic_demonstrations_need_the_calculator_among_the_recipes_tools(tmp_path, tiny_model_dir):
+    """They always call `calculator`: with only the python tool offered, SFT trained calls that RL
+    answered with "unknown tool"."""
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.sft import run_sft
+
+    with pytest.raises(ConfigError) as err:
+        run_sft(sft_recipe(tiny_model_dir, tmp_path / "out", "rollout.tool_configs=[tool_configs/python.yaml]"))
+    assert str(err.value) == ("sft.data 'arithmetic': its demonstrations call the tool 'calculator', which "
+                              "rollout.tool_configs does not offer (it offers: python); add "
+                              "tool_configs/calculator.yaml, or give sft.data a file of conversations")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_data_row_the_template_cannot_render_names_its_file_and_line(tmp_path, tiny_model_dir):

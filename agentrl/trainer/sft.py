@@ -145,6 +145,7 @@ def run_sft(config) -> str:
     from agentrl.hardware import choose_dtype
     from agentrl.models import load_model, load_tokenizer
     from agentrl.trainer.checkpoint import check_replaceable, save_model
+    from agentrl.tools.base import tool_name
     from agentrl.tools.loader import load_tool_files
 
     print(to_yaml(config), file=sys.stderr)
@@ -160,6 +161,11 @@ def run_sft(config) -> str:
     key = "sft.base_model" if s.base_model != config.model.path else "model.path"
     with naming_model_errors(key):
         tokenizer = load_tokenizer(s.base_model, config.model.chat_template, needs_tools=bool(tools))
+    offered = sorted(tool_name(t) for t in tools)
+    if s.data == "arithmetic" and "calculator" not in offered:  # RL would answer each such call "unknown tool"
+        raise ConfigError(f"sft.data 'arithmetic': its demonstrations call the tool 'calculator', which "
+                          f"rollout.tool_configs does not offer (it offers: {', '.join(offered) or 'no tools'}); "
+                          "add tool_configs/calculator.yaml, or give sft.data a file of conversations")
     try:
         renderer = ChatRenderer(tokenizer, tools)
     except SpecialTextError as e:  # a tool schema spelling a control token: before the model loads
