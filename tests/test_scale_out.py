@@ -505,6 +505,15 @@ def update_on_rank_1():
 def validate():
     raise ValueError("2 problems in the batch\\n  advantages: missing\\n  For more, see the docs")
 
+@ray.remote
+def time_out_in_the_collective():  # its peer hangs outside it
+    raise RuntimeError("[gloo] Timed out waiting 5000ms for recv operation to complete")
+
+@ray.remote
+def hang():
+    import time
+    time.sleep(120)
+
 start_local_ray([{"CPU": 1.0}])
 errors = []
 for task, what in ((update_on_rank_1, "update"), (validate, "validation")):
@@ -512,6 +521,11 @@ for task, what in ((update_on_rank_1, "update"), (validate, "validation")):
         Supervisor(600).wait([task.remote()], ["policy rank 1"], what)
     except RunFailed as e:
         errors.append(str(e))
+try:
+    Supervisor(600).wait([time_out_in_the_collective.remote(), hang.remote()], ["policy rank 0", "policy rank 1"],
+                         "update")
+except RunFailed as e:
+    errors.append(str(e))
 open(sys.argv[1], "w").write("\\n".join(errors))
 ray.shutdown()
 '''
@@ -527,7 +541,10 @@ def test_a_worker_exception_is_reported_whole_with_its_traceback(tmp_path, env, 
     assert (tmp_path / "errors").read_text().splitlines() == [
         "policy rank 1 failed during update: KeyError: 'advantages'",
         "policy rank 1 failed during validation: ValueError: 2 problems in the batch advantages: missing For more, "
-        "see the docs"]
+        "see the docs",
+        # a rank that hung: its peer timed out first, and only being still running named the hung one
+        "policy rank 0 failed during update: RuntimeError: [gloo] Timed out waiting 5000ms for recv operation to "
+        "complete; still running then: policy rank 1"]
     assert "agentrl: policy rank 1 raised during update:\n" in process.stderr
     assert re.search(r'File "<string>", line 10, in update_on_rank_1\nKeyError', process.stderr), process.stderr
 

@@ -21,6 +21,7 @@ from agentrl.errors import ConfigError, RunFailed
 # How long a failed call waits for a worker's death to be noticed before the failure is reported as
 # its own: Ray learns of a dead process within about a second.
 DEATH_NOTICE_S = 3.0
+STILL_RUNNING_S = 3.0  # how long the other calls of a wait in which one failed get to end too
 RANK_INVARIANT = {"grad_norm", "critic_grad_norm", "skipped_step_fraction", "critic_skipped_step_fraction",
                   "lr"}  # equal on every rank: taken from rank 0
 
@@ -58,6 +59,7 @@ class Supervisor:
             ready, _ = ray.wait(pending + list(self.sentinels), num_returns=1,
                                 timeout=max(0.0, min(5.0, deadline - time.monotonic())))
             for ref in ready:
+                call = ref
                 if ref not in self.sentinels:
                     ref = self._death_behind(ref)
                 label = self.sentinels.get(ref) or owner[ref]
@@ -69,7 +71,11 @@ class Supervisor:
                         raise ConfigError(f"{label}: {cause}") from None
                     if isinstance(e, ray.exceptions.RayTaskError):  # where in the worker: its frames
                         print(f"agentrl: {label} raised during {what}:\n{e}", file=sys.stderr, flush=True)
-                    raise RunFailed(f"{label} failed during {what}: {describe(e)}") from None
+                    running = self._still_running([r for r in pending if r != call]) if ref == call else []
+                    # A rank that hangs outside a collective makes its peers time out in it: they fail
+                    # first, and only the ones still running can say which rank it was.
+                    also = f"; still running then: {', '.join(owner[r] for r in running)}" if running else ""
+                    raise RunFailed(f"{label} failed during {what}: {describe(e)}{also}") from None
                 if ref in self.sentinels:
                     raise RunFailed(f"{label} stopped its watch during {what}")
                 pending.remove(ref)
@@ -78,6 +84,15 @@ class Supervisor:
                                 f"({self.timeout_s:g} s)")
         return ray.get(refs)
 
+
+    @staticmethod
+    def _still_running(refs: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """Of the other calls of a wait in which one failed, those not done within a moment (a
+        peer of a collective fails soon after its partner does)."""
+        if not refs:
+            return []
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=STILL_RUNNING_S)
+        return [r for r in refs if r not in done]
 
     def _death_behind(self, ref: ray.ObjectRef) -> ray.ObjectRef:
         """A dead worker's sentinel in place of a call that failed, when a worker died about then:
