@@ -44,7 +44,11 @@ def test_a_cuda_index_under_ray_is_a_recipe_error_before_any_actor_starts(overri
     ["trainer.ray_address=auto"], ["trainer.ray_address=10.0.0.5:6379"], ["trainer.ray_address=ray://head:10001"],
     ["trainer.ray_address=[::1]:6379"],
 ])
-def test_settings_the_actors_can_use_pass(overrides):
+def test_settings_the_actors_can_use_pass(overrides, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU, each rank's
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     check_ray_settings(ray_recipe(*overrides))
     check_ray_settings(load_recipe(None, ["trainer.device=cuda:1"]))  # the local backend: the index is used
 
@@ -138,3 +142,31 @@ def test_ray_actors_get_the_drivers_cpu_dtype_choice_not_a_probe_each():
         exclude={"model": {"dtype"}, "trainer": {"dtype"}})  # nothing else changes
     explicit = load_recipe("recipes/quickstart.yaml", ["trainer.dtype=float32", "model.dtype=float32"])
     assert pinned_cpu_dtypes(explicit) == explicit
+
+
+@pytest.mark.parametrize("overrides, gpus, message", [
+    (["trainer.world_size=2"], 1, "trainer.world_size 2 on cuda needs 2 GPUs, one each; torch {v} sees 1"),
+    (["trainer.engine_replicas=2", "trainer.placement=split"], 2,
+     "trainer.world_size 1 + 2 engine replicas (trainer.placement 'split') on cuda needs 3 GPUs, one each; torch {v} "
+     "sees 2"),
+    ([], 0, "trainer.world_size 1 on cuda needs 1 GPU, one each; torch {v} sees none"),
+])
+def test_more_gpus_than_the_machine_has_are_a_recipe_error_before_ray_starts(overrides, gpus, message, monkeypatch):
+    """The run's own Ray was told of as many GPUs as the ranks asked for: a rank got a GPU the
+    machine lacks and failed in its CUDA set-up, or, with CUDA_VISIBLE_DEVICES set, ray.init raised
+    a bare ValueError (a traceback)."""
+    import ray
+    import torch
+
+    from agentrl.trainer.launch import RayRoles
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    config = ray_recipe("trainer.device=cuda", *overrides)
+    with pytest.raises(ConfigError) as caught:
+        check_ray_settings(config)
+    assert str(caught.value) == message.format(v=torch.__version__)
+    with pytest.raises(ConfigError):
+        RayRoles(config, tokenizer=None)
+    assert not ray.is_initialized()
+    check_ray_settings(ray_recipe("trainer.device=cuda", "trainer.ray_address=auto", *overrides))  # its GPUs: elsewhere

@@ -50,3 +50,12 @@ def check_ray_settings(config: RecipeConfig) -> None:
                               "sees only the GPU Ray gives it; use 'cuda'")
     if t.ray_address and t.ray_address != "auto":
         ray_address_parts(t.ray_address)
+    if t.device.startswith("cuda") and not t.ray_address:  # the run's own Ray, on this machine's GPUs
+        import torch
+
+        split = t.engine_replicas if t.placement == "split" else 0
+        needed, seen = t.world_size + split, torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if needed > seen:  # Ray was told of as many as asked for, and a rank got a GPU that is not there
+            replicas = f" + {split} engine replica{'s' * (split != 1)} (trainer.placement 'split')" if split else ""
+            raise ConfigError(f"trainer.world_size {t.world_size}{replicas} on {t.device} needs {needed} GPU"
+                              f"{'s' * (needed != 1)}, one each; torch {torch.__version__} sees {seen or 'none'}")
