@@ -110,6 +110,14 @@ def test_two_fsdp_ranks_under_ray_take_the_same_first_step_as_one_process(tmp_pa
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(runs["ray"] / "final").config.architectures == ["LlamaForCausalLM"]
+    # with the tensors of the unsharded save: the tied head was gathered, and saved, a second time
+    from safetensors import safe_open
+
+    def shapes(run):
+        with safe_open(str(run / "final" / "model.safetensors"), "pt") as f:
+            return {k: f.get_slice(k).get_shape() for k in f.keys()}
+
+    assert shapes(runs["ray"]) == shapes(runs["local"]) and "lm_head.weight" not in shapes(runs["ray"])
 
 
 @pytest.mark.parametrize("backend", ["local", "ray"])
