@@ -515,6 +515,15 @@ def test_a_grader_raising_outside_exception_on_its_thread_fails_only_its_episode
     assert (a.finish, a.reward, b.finish, b.error) == ("stop", 1.0, "error", error)
 
 
+def time_out_one_call(url: str, tool: str) -> dict:
+    """Run one call of `tool` past the server's --call-timeout of 0.2 s; the server's /stats after it."""
+    with api(url) as client:
+        instance = client.post("/instances", json={"tool": tool}).json()["instance_id"]
+        reply = client.post(f"/instances/{instance}/execute", json={"arguments": {"url": "x"}})
+        assert reply.json()["error"] == f"TimeoutError: {tool} did not finish within 0.2 s"
+        return client.get("/stats").json()
+
+
 def test_the_tool_server_exits_on_sigterm_with_a_call_that_swallows_even_its_closing_in_flight(tmp_path):
     """uvicorn shuts the server down on SIGTERM; a stubborn call it would wait for at the end of its
     loop must not keep the process alive (as a Ctrl-C-style handler of the recipe commands would)."""
@@ -523,11 +532,7 @@ def test_the_tool_server_exits_on_sigterm_with_a_call_that_swallows_even_its_clo
     proc, url = start_server(tmp_path, "--call-timeout", "0.2",
                              tools_yaml="tools:\n  - class: tests.served_tools:retry_forever\n")
     try:
-        with api(url) as client:
-            instance = client.post("/instances", json={"tool": "retry_forever"}).json()["instance_id"]
-            reply = client.post(f"/instances/{instance}/execute", json={"arguments": {"url": "x"}})
-            assert reply.json()["error"] == "TimeoutError: retry_forever did not finish within 0.2 s"
-            assert client.get("/stats").json()["abandoned_calls"] == 1  # it still runs, on no slot
+        assert time_out_one_call(url, "retry_forever")["abandoned_calls"] == 1  # it still runs, on no slot
         proc.terminate()  # uvicorn re-raises the signal once it has shut down: exit status -SIGTERM
         assert proc.wait(20) == -signal.SIGTERM
     finally:
@@ -545,10 +550,7 @@ def test_the_tool_server_exits_on_ctrl_c_with_a_call_hanging_in_a_thread(tmp_pat
     proc, url = start_server(tmp_path, "--call-timeout", "0.2", launcher=("-c", with_ctrl_c),
                              tools_yaml="tools:\n  - class: tests.served_tools:fetch_in_a_thread\n")
     try:
-        with api(url) as client:
-            instance = client.post("/instances", json={"tool": "fetch_in_a_thread"}).json()["instance_id"]
-            reply = client.post(f"/instances/{instance}/execute", json={"arguments": {"url": "x"}})
-            assert reply.json()["error"] == "TimeoutError: fetch_in_a_thread did not finish within 0.2 s"
+        time_out_one_call(url, "fetch_in_a_thread")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 130
         assert proc.stderr.read().splitlines()[-1] == "agentrl: interrupted"
