@@ -175,10 +175,11 @@ class ChatRenderer:
         markers in their places does not give `text` back with the literals put in again."""
         marked, literals = [], []
         longest_first = sorted(self.special_texts, key=len, reverse=True)
-        split = re.compile("(" + "|".join(re.escape(t) for t in longest_first) + ")")
+        special_text = re.compile("(" + "|".join(re.escape(t) for t in longest_first) + ")")
         for message in messages:
             if id(message) in special:
-                parts = [message["content"]] if whole else split.split(message["content"])
+                # [text, special text, text, ...]; or the whole content as the one literal
+                parts = [message["content"]] if whole else special_text.split(message["content"])
                 content = ""
                 for i, part in enumerate(parts):
                     if whole or i % 2:

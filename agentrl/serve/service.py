@@ -254,8 +254,7 @@ class TokenBytes:
         self.tokenizer = tokenizer
         self.added = set(getattr(tokenizer, "added_tokens_decoder", {}))
         alphabet = byte_level_alphabet()
-        pieces = [piece for piece, i in tokenizer.get_vocab().items() if i not in self.added]
-        spelled = "".join(pieces)
+        spelled = "".join(piece for piece, i in tokenizer.get_vocab().items() if i not in self.added)
         self.alphabet = alphabet if spelled and set(spelled) <= alphabet.keys() else None
         self.sentencepiece = self.alphabet is None and "▁" in spelled
 
