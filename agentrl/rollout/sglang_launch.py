@@ -6,8 +6,8 @@ The server runs in a session of its own (so that its group, schedulers included,
 one), which no signal to the launcher's group reaches; and a launcher that dies without running
 its exit code (SIGKILL, the OOM killer, `ray.kill` of a rollout actor) stops nothing. So the
 server's process also watches a pipe from the launcher and stops its group when the pipe closes,
-as it does whenever the launcher's process ends. (PR_SET_PDEATHSIG fires when the launching
-*thread* ends, which a Ray actor's method threads do.)
+as it does whenever the launcher's process ends. (PR_SET_PDEATHSIG would fire when the launching
+*thread* ends, and the launch may run on any thread: a Ray actor's method, a rollout's set-up.)
 
 This module does not import sglang: the server is a subprocess.
 """
